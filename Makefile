@@ -1,0 +1,30 @@
+# visionrl: `make demo` trains the tiny model on the CPU and shows it learned; `make test` runs the suite.
+# Both build (or reuse) .venv first.
+PY := .venv/bin/python
+DEMO_DIR ?= runs/demo
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test test-fast lint format clean-demo
+
+setup:
+	@bash scripts/setup_venv.sh
+
+demo: setup
+	@$(PY) -m visionrl.demo --dir $(DEMO_DIR)
+
+test: setup
+	@$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: setup
+	@$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+lint: setup
+	@$(PY) -m ruff check src tests benchmarks scripts
+	@$(PY) -m ruff format --check src tests benchmarks scripts
+
+format: setup
+	@$(PY) -m ruff format src tests benchmarks scripts
+	@$(PY) -m ruff check --fix src tests benchmarks scripts
+
+clean-demo:
+	rm -rf $(DEMO_DIR)

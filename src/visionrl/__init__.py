@@ -1,0 +1,3 @@
+"""visionrl: reinforcement-learning post-training of vision-language models."""
+
+__version__ = "0.1.0"

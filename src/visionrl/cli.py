@@ -1,0 +1,193 @@
+"""The `visionrl` command line. Thin: parse arguments, then import the heavy parts (torch, vLLM, Ray).
+
+Exit codes: 0 success, 1 runtime failure, 2 bad input (job file, arguments, data) with a message that says
+what is wrong and what to do, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+EXIT_BAD_INPUT = 2
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    from visionrl.config import JobConfig, dump_config, load_config
+
+    if args.schema:
+        import json
+
+        print(json.dumps(JobConfig.model_json_schema(), indent=2))
+        return 0
+    if not args.config:
+        raise _usage("validate needs a CONFIG path (or --schema)")
+    cfg = load_config(args.config, args.overrides)
+    print(dump_config(cfg), end="")
+    print(f"# {args.config}: valid", file=sys.stderr)
+    return 0
+
+
+def _cmd_init_tiny_model(args: argparse.Namespace) -> int:
+    from visionrl.models.tiny import build_tiny_model
+
+    out = build_tiny_model(args.dir, seed=args.seed, pretrain=not args.no_pretrain)
+    print(f"tiny Qwen3-VL written to {out}")
+    return 0
+
+
+def _cmd_make_data(args: argparse.Namespace) -> int:
+    from visionrl.data.synthetic import make_dataset
+
+    summary = make_dataset(args.dir, args.task, args.num_train, args.num_eval, args.seed, image_size=args.image_size)
+    for split in ("train", "eval"):
+        info = summary[split]
+        print(f"{split}: {info['count']} records -> {info['path']}  answers: {info['answers']}")
+    return 0
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from visionrl.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    from visionrl.orchestrate.loop import train
+
+    result = train(cfg, resume=args.resume)
+    print(f"adapter: {result.adapter_dir}")
+    return 0
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    if args.endpoint:
+        from visionrl.evaluate import evaluate_endpoint
+
+        report = evaluate_endpoint(
+            endpoint=args.endpoint, model=args.model, data=args.data, out=args.out, concurrency=args.concurrency,
+            ablate_images=args.ablate_images, max_samples=args.max_samples, max_tokens=args.max_tokens,
+            rewards=args.reward, timeout_s=args.timeout,
+        )
+    else:
+        if not args.base:
+            raise _usage("eval needs --base MODEL (local evaluation) or --endpoint URL (a served model)")
+        from visionrl.evaluate import evaluate_local
+
+        report = evaluate_local(
+            base=args.base, adapter=args.adapter, data=args.data, out=args.out, engine=args.engine,
+            ablate_images=args.ablate_images, max_samples=args.max_samples, max_tokens=args.max_tokens,
+            rewards=args.reward, seed=args.seed,
+        )
+    print(
+        f"accuracy {report['accuracy']:.3f} on {report['num_samples']} samples "
+        f"({report['num_failed']} failed) -> {args.out}"
+    )
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from visionrl.export import export_adapter
+
+    manifest = export_adapter(args.src, args.dest)
+    print(f"exported {len(manifest['files'])} files to {args.dest}")
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from visionrl.serve import serve
+
+    return serve(base=args.base, adapters=args.adapter, host=args.host, port=args.port, extra=args.vllm_arg)
+
+
+class _UsageError(Exception):
+    pass
+
+
+def _usage(msg: str) -> _UsageError:
+    return _UsageError(msg)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="visionrl",
+        description="RL post-training (GRPO) of vision-language models with LoRA, vLLM rollouts and Ray.",
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name: str, fn: Callable[[argparse.Namespace], int], help_: str) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help_, description=help_)
+        sp.set_defaults(func=fn)
+        return sp
+
+    sp = add("train", _cmd_train, "Train a LoRA adapter by GRPO from a YAML job file.")
+    sp.add_argument("config", help="job file (YAML), e.g. configs/demo.yaml")
+    sp.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=10 rollout.temperature=0.8")
+    sp.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output_dir")
+
+    sp = add("validate", _cmd_validate, "Check a job file and print the resolved config.")
+    sp.add_argument("config", nargs="?", help="job file (YAML)")
+    sp.add_argument("overrides", nargs="*", help="key=value overrides")
+    sp.add_argument("--schema", action="store_true", help="print the JSON schema of job files")
+
+    sp = add("eval", _cmd_eval, "Measure accuracy (and latency) of a base model + adapter, locally or at an endpoint.")
+    sp.add_argument("--data", required=True, help="evaluation data (JSONL or Parquet)")
+    sp.add_argument("--out", required=True, help="where to write the JSON report (a Markdown twin is written too)")
+    sp.add_argument("--base", help="local evaluation: base model directory")
+    sp.add_argument("--adapter", help="local evaluation: adapter directory (omit for the base model)")
+    sp.add_argument("--engine", choices=["vllm", "hf"], default="vllm", help="local evaluation engine")
+    sp.add_argument("--endpoint", help="served evaluation: OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1")
+    sp.add_argument("--model", help="served evaluation: model or adapter name at the endpoint")
+    sp.add_argument("--concurrency", type=int, default=8, help="parallel requests (served evaluation)")
+    sp.add_argument("--timeout", type=float, default=60.0, help="seconds per request (served evaluation)")
+    sp.add_argument("--ablate-images", action="store_true", help="permute images across samples (does it look?)")
+    sp.add_argument("--max-samples", type=int, default=None, help="evaluate at most this many records")
+    sp.add_argument("--max-tokens", type=int, default=32, help="maximum new tokens per answer")
+    sp.add_argument("--reward", action="append", default=None,
+                    help="scoring reward (default exact_match; repeatable, e.g. numeric)")
+    sp.add_argument("--seed", type=int, default=0, help="seed (image permutation)")
+
+    sp = add("export", _cmd_export, "Export a trained adapter with its manifest to a folder or s3://bucket/prefix.")
+    sp.add_argument("src", help="run directory or checkpoint directory")
+    sp.add_argument("dest", help="destination folder or s3://bucket/prefix")
+
+    sp = add("serve", _cmd_serve, "Serve a base model with LoRA adapters through vLLM's OpenAI-compatible server.")
+    sp.add_argument("--base", required=True, help="base model directory")
+    sp.add_argument("--adapter", action="append", default=[], metavar="NAME=SRC", help="adapter to load (repeatable)")
+    sp.add_argument("--host", default="127.0.0.1")
+    sp.add_argument("--port", type=int, default=8000)
+    sp.add_argument("--vllm-arg", action="append", default=[], help="extra argument passed to vLLM (repeatable)")
+
+    sp = add("init-tiny-model", _cmd_init_tiny_model, "Write a tiny Qwen3-VL checkpoint (for tests and the demo).")
+    sp.add_argument("dir")
+    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--no-pretrain", action="store_true", help="random weights only (no short pre-training)")
+
+    sp = add("make-data", _cmd_make_data, "Write a synthetic visual task (JSONL + PNG images).")
+    sp.add_argument("dir")
+    sp.add_argument("--task", required=True, help="color | count | position | sides")
+    sp.add_argument("--num-train", type=int, default=512)
+    sp.add_argument("--num-eval", type=int, default=128)
+    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--image-size", type=int, default=64)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from visionrl.errors import BAD_INPUT_ERRORS
+
+    try:
+        return int(args.func(args) or 0)
+    except _UsageError as err:
+        parser.error(str(err))  # exits 2
+    except BAD_INPUT_ERRORS as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,292 @@
+"""Typed job configuration: one YAML file (plus `a.b=value` overrides) describes a whole training job.
+
+The config is the single source of truth. Unknown keys, wrong types and inconsistent values fail with a
+`ConfigError` whose message names the key, the problem and the fix; nothing is silently rewritten.
+Validators that *check* are named `check_*`; nothing here derives or fixes values behind the user's back.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from visionrl.errors import InputError
+
+# Default LoRA targets: the language model's projections only (never the vision blocks, whose
+# `mlp.linear_fc1/fc2` names would also match a bare suffix).
+LM_PROJECTIONS = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+# The vision->language merger (and deepstack mergers) of Qwen3-VL; vLLM applies LoRA there only with
+# `enable_tower_connector_lora=True` (FACTS.md).
+MERGER_PROJECTIONS = r".*visual\.(merger|deepstack_merger_list\.\d+)\.(linear_fc1|linear_fc2)"
+
+
+class ConfigError(InputError):
+    """A job file is malformed; the message says which key, what is wrong and what to do."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    path: str = Field(description="Base model: a Qwen3-VL checkpoint directory (or hub id where hubs are reachable).")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "bfloat16", description="Weights and compute dtype; use float32 on CPU (bf16 is 4-20x slower on AVX2)."
+    )
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
+        "sdpa", description="Learner attention kernel."
+    )
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward (saves memory).")
+
+
+class LoraConfig(_Section):
+    rank: int = Field(16, ge=1, le=512, description="LoRA rank r.")
+    alpha: float = Field(32.0, gt=0, description="LoRA alpha; the update is scaled by alpha / rank.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA input.")
+    target_modules: str | list[str] = Field(
+        LM_PROJECTIONS,
+        description="Regex (full match on module names) or list of module-name suffixes that get LoRA.",
+    )
+    train_merger: bool = Field(
+        False,
+        description="Also put LoRA on the vision->language merger (served by vLLM with tower/connector LoRA).",
+    )
+    train_lm_head: bool = Field(False, description="Also put LoRA on lm_head (vLLM supports it as a LoRA target).")
+    init_lora_weights: Literal["default", "gaussian"] = Field(
+        "default", description="peft init of A (B is always zero, so step 0 equals the base model)."
+    )
+
+
+class RewardConfig(_Section):
+    name: str = Field(description="A built-in reward (exact_match, choice, numeric, format, iou) or 'pkg.module:function'.")
+    weight: float = Field(1.0, description="Weight in the total reward (weighted sum).")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the reward function.")
+
+
+class DataConfig(_Section):
+    train: str = Field(description="Training data: JSONL or Parquet file (records with images, messages/prompt, answer).")
+    eval: str | None = Field(None, description="Held-out data for periodic evaluation (greedy decoding).")
+    on_bad_image: Literal["error", "skip"] = Field(
+        "error", description="A missing or corrupt image: stop with an error, or skip the record and count it."
+    )
+    max_eval_samples: int | None = Field(None, ge=1, description="Evaluate on at most this many held-out records.")
+    balance_key: str | None = Field(
+        None, description="Balance each batch of prompts over this record field (e.g. 'answer')."
+    )
+    system_prompt: str | None = Field(None, description="Optional system message prepended to every prompt.")
+
+
+class AlgorithmConfig(_Section):
+    group_size: int = Field(8, ge=2, description="Completions sampled per prompt (G); advantages are group-relative.")
+    advantage_scale: Literal["std", "none"] = Field(
+        "std", description="'std': GRPO (r-mean)/std; 'none': Dr. GRPO r-mean."
+    )
+    clip_low: float = Field(0.2, ge=0.0, lt=1.0, description="PPO ratio clip below 1 (1 - clip_low).")
+    clip_high: float = Field(0.2, ge=0.0, description="PPO ratio clip above 1 (1 + clip_high); DAPO clip-higher uses 0.28.")
+    dual_clip: float | None = Field(None, gt=1.0, description="Dual-clip constant c (>1) for negative advantages.")
+    loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"] = (
+        Field("token_mean", description="How per-token losses become one number (Dr. GRPO: seq_mean_token_sum_norm).")
+    )
+    kl_coef: float = Field(0.0, ge=0.0, description="Weight of the KL penalty to the base model (adapter disabled).")
+    kl_kind: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator per token.")
+    entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus weight (subtracted from the loss).")
+    dynamic_sampling: bool = Field(
+        False, description="DAPO: drop groups whose rewards are all equal (no signal) before the update."
+    )
+    updates_per_batch: int = Field(1, ge=1, description="Optimizer steps per rollout batch (mini-batches).")
+
+
+class RolloutConfig(_Section):
+    engine: Literal["vllm", "hf"] = Field("vllm", description="Rollout engine: vLLM (default) or transformers generate.")
+    prompts_per_step: int = Field(32, ge=1, description="Prompts per step; completions per step = prompts x group_size.")
+    temperature: float = Field(1.0, gt=0.0, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling.")
+    max_new_tokens: int = Field(256, ge=1, description="Maximum tokens per completion.")
+    num_engines: int = Field(1, ge=1, description="Rollout engine actors (data-parallel).")
+    gpus_per_engine: float = Field(0.0, ge=0.0, description="GPUs per engine actor (0 on CPU).")
+    gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0, description="vLLM: share of GPU memory for the engine.")
+    max_model_len: int = Field(4096, ge=64, description="vLLM: longest prompt + completion.")
+    enforce_eager: bool = Field(False, description="vLLM: no CUDA graphs (faster start, slower decode).")
+    kv_cache_gib: float = Field(1.0, gt=0.0, description="vLLM CPU: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE).")
+
+
+class TrainConfig(_Section):
+    steps: int = Field(100, ge=1, description="GRPO steps (one rollout batch each).")
+    lr: float = Field(1e-5, gt=0.0, description="Peak learning rate of the LoRA weights.")
+    merger_lr: float | None = Field(None, gt=0.0, description="Learning rate of merger LoRA (default: lr).")
+    lm_head_lr: float | None = Field(None, gt=0.0, description="Learning rate of lm_head LoRA (default: lr).")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up optimizer steps.")
+    lr_schedule: Literal["constant", "cosine"] = Field("cosine", description="After warm-up.")
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="Cosine decays to lr * min_lr_ratio.")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient clipping (global L2 norm).")
+    micro_batch_tokens: int = Field(
+        8192, ge=64, description="Token budget of one learner micro-batch (gradient accumulation above it)."
+    )
+    seed: int = Field(0, description="Seed of data order, sampling and LoRA init.")
+    torch_threads: int | None = Field(None, ge=1, description="Learner torch threads (CPU); default: torch's.")
+    target_accuracy: float | None = Field(
+        None, gt=0.0, le=1.0, description="Stop early after two consecutive evals at or above this accuracy."
+    )
+
+
+class LoggingConfig(_Section):
+    log_every: int = Field(1, ge=1, description="Scalars every N steps.")
+    eval_every: int = Field(10, ge=1, description="Held-out evaluation every N steps (and at the end).")
+    save_every: int = Field(50, ge=1, description="Checkpoint every N steps (and at the end).")
+    images_every: int = Field(10, ge=1, description="Rollout picture grid in TensorBoard every N steps.")
+    num_images: int = Field(4, ge=1, le=32, description="Rollouts per picture grid.")
+    keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept on disk (oldest removed first).")
+
+
+class RayConfig(_Section):
+    address: str | None = Field(
+        None, description="Attach to this Ray cluster ('auto' or host:port); default: RAY_ADDRESS or an embedded local Ray."
+    )
+    placement: Literal["colocated", "split"] = Field(
+        "colocated", description="colocated: learner and engines share GPUs; split: engines get their own GPUs."
+    )
+    num_cpus: int | None = Field(None, ge=1, description="CPUs of the embedded local Ray (default: all).")
+    learner_gpus: float = Field(0.0, ge=0.0, description="GPUs of the learner actor (0 on CPU).")
+    num_reward_workers: int = Field(1, ge=1, description="Reward worker actors.")
+    reward_timeout_s: float = Field(10.0, gt=0.0, description="Per-sample reward timeout; over it scores 0, counted.")
+
+
+class JobConfig(_Section):
+    """A whole GRPO job. See configs/*.yaml for commented examples."""
+
+    output_dir: str = Field(description="Run directory: tensorboard/, checkpoints/, adapter/, eval/.")
+    model: ModelConfig
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    data: DataConfig
+    rewards: list[RewardConfig] = Field(min_length=1, description="Reward functions; total = weighted sum.")
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
+
+    @model_validator(mode="after")
+    def check_consistency(self) -> JobConfig:
+        completions = self.rollout.prompts_per_step * self.algorithm.group_size
+        if completions % self.algorithm.updates_per_batch != 0:
+            raise ValueError(
+                f"algorithm.updates_per_batch={self.algorithm.updates_per_batch} must divide the "
+                f"{completions} completions of a step (rollout.prompts_per_step x algorithm.group_size); "
+                "choose a divisor, e.g. 1"
+            )
+        if completions // self.algorithm.updates_per_batch % self.algorithm.group_size != 0:
+            raise ValueError(
+                "each mini-batch must hold whole groups: rollout.prompts_per_step must be divisible by "
+                f"algorithm.updates_per_batch ({self.rollout.prompts_per_step} % {self.algorithm.updates_per_batch} != 0)"
+            )
+        if self.rollout.max_new_tokens >= self.rollout.max_model_len:
+            raise ValueError(
+                f"rollout.max_new_tokens={self.rollout.max_new_tokens} leaves no room for the prompt in "
+                f"rollout.max_model_len={self.rollout.max_model_len}; raise max_model_len or lower max_new_tokens"
+            )
+        if self.ray.placement == "split" and self.rollout.gpus_per_engine == 0 and self.ray.learner_gpus == 0:
+            raise ValueError(
+                "ray.placement=split places rollout engines and the learner on different GPUs, but no GPUs are "
+                "requested; set rollout.gpus_per_engine and ray.learner_gpus, or use ray.placement=colocated"
+            )
+        return self
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"override '{item}' is not of the form key.path=value (e.g. train.steps=10)")
+    key, _, raw = item.partition("=")
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override '{item}' has an empty key part; write it as section.key=value")
+    # YAML parsing gives numbers, booleans, null and lists their natural types ("[a, b]", "1e-3", "true").
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError as err:
+        raise ConfigError(f"override '{item}': value is not valid YAML ({err.__class__.__name__})") from None
+    return key.split("."), value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Set `a.b.c=value` items into a nested dict (a new dict; the input is not modified)."""
+    out = _deep_copy(data)
+    for item in overrides:
+        path, value = _parse_override(item)
+        node = out
+        for part in path[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(
+                    f"override '{item}': '{part}' is a value, not a section, so it has no key '{path[-1]}'"
+                )
+            node = child
+        node[path[-1]] = value
+    return out
+
+
+def _deep_copy(data: Any) -> Any:
+    if isinstance(data, dict):
+        return {k: _deep_copy(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_deep_copy(v) for v in data]
+    return data
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = [f"{source}: {err.error_count()} problem(s) in the job config:"]
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        kind = e["type"]
+        if kind == "extra_forbidden":
+            lines.append(f"  - {key}: unknown key; check the spelling (run `visionrl validate --schema` for all keys)")
+        elif kind == "missing":
+            lines.append(f"  - {key}: required key is missing; add it to the job file")
+        else:
+            got = e.get("input")
+            shown = repr(got) if not isinstance(got, dict) else "{...}"
+            msg = e["msg"].removeprefix("Value error, ")
+            lines.append(f"  - {key}: {msg} (got {shown})")
+    return "\n".join(lines)
+
+
+def config_from_dict(data: dict[str, Any], source: str = "config") -> JobConfig:
+    try:
+        return JobConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_errors(err, source)) from None
+
+
+def load_config(path: str | os.PathLike[str], overrides: list[str] | None = None) -> JobConfig:
+    """Read a YAML job file, apply `key=value` overrides, validate. Raises ConfigError."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"job file '{p}' does not exist; pass the path of a YAML job file (see configs/)")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or str(err)
+        raise ConfigError(f"{p}: not valid YAML{where}: {problem}; fix the syntax") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: the top level must be a mapping of sections (model:, data:, ...), got {type(data).__name__}")
+    data = apply_overrides(data, overrides or [])
+    return config_from_dict(data, source=str(p))
+
+
+def dump_config(cfg: JobConfig) -> str:
+    """The resolved config as YAML (every key, defaults included)."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

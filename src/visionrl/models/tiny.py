@@ -1,0 +1,184 @@
+"""Build a tiny, randomly initialised Qwen3-VL checkpoint that loads like a real one.
+
+No model hub is reachable on the development machines, so tests and the demo make their own base model:
+a Qwen3-VL with the real architecture (vision tower, merger, deepstack, M-RoPE text model) scaled down to
+~250K parameters, a word-level tokenizer trained here with `tokenizers`, and the processor, chat template
+and generation config of a normal checkpoint. Stock `AutoModelForImageTextToText.from_pretrained(DIR)`,
+`AutoProcessor.from_pretrained(DIR)` and vLLM load the directory.
+
+The shapes follow FACTS.md: they satisfy both transformers' and vLLM's CPU kernels (head_dim 32,
+mrope_section summing to head_dim/2, out_hidden_size == text hidden size).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# Special tokens of the Qwen chat format. Their names are the ones Qwen3VLProcessor and vLLM look for.
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<unk>",
+]
+# Words besides the synthetic tasks' vocabulary, so prompts of other kinds tokenise to something.
+BASE_WORDS = (
+    "the a an is are what which where how many color colour shape image picture object objects in of on "
+    "answer question yes no one two three four five six seven eight nine ten zero left right top bottom "
+    "center middle red green blue yellow black white gray orange purple circle square rectangle ellipse "
+    "triangle pentagon hexagon polygon sides side think user assistant system you are helpful . , ? ! : ; "
+    "( ) [ ] < > / - + = 0 1 2 3 4 5 6 7 8 9"
+).split()
+
+# Qwen-style chat template: images become <|vision_start|><|image_pad|><|vision_end|> (the processor
+# expands <|image_pad|> to one token per merged patch).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] in ('image', 'image_url') %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+VOCAB_MULTIPLE = 64  # the model's vocab equals the tokenizer's, padded with unused tokens to this multiple
+
+
+def tiny_config_dict(vocab_size: int, token_ids: dict[str, int]) -> dict:
+    """The config of the tiny model (see FACTS.md for why each number)."""
+    return {
+        "architectures": ["Qwen3VLForConditionalGeneration"],
+        "model_type": "qwen3_vl",
+        "image_token_id": token_ids["<|image_pad|>"],
+        "video_token_id": token_ids["<|video_pad|>"],
+        "vision_start_token_id": token_ids["<|vision_start|>"],
+        "vision_end_token_id": token_ids["<|vision_end|>"],
+        "tie_word_embeddings": False,
+        "text_config": {
+            "model_type": "qwen3_vl_text",
+            "vocab_size": vocab_size,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 32,
+            "max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-6,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 5_000_000.0,
+                "mrope_section": [6, 5, 5],
+                "mrope_interleaved": True,
+            },
+            "bos_token_id": None,
+            "eos_token_id": token_ids["<|im_end|>"],
+            "pad_token_id": token_ids["<|endoftext|>"],
+            "dtype": "float32",
+        },
+        "vision_config": {
+            "model_type": "qwen3_vl_vision",
+            "depth": 2,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_heads": 2,
+            "patch_size": 16,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "out_hidden_size": 64,
+            "num_position_embeddings": 256,
+            "deepstack_visual_indexes": [0],
+        },
+        "dtype": "float32",
+    }
+
+
+def train_tokenizer(words: list[str], out_dir: Path) -> dict[str, int]:
+    """Train a word-level tokenizer on `words` (plus BASE_WORDS) and save it as a fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab_words = sorted(set(BASE_WORDS) | {w for w in words if w})
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    # Split on whitespace and punctuation, so "shape?" is "shape" + "?".
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=True)  # joins words with spaces, tidies punctuation
+    # Pad the vocabulary to a multiple of VOCAB_MULTIPLE with unused tokens, so the model's vocab equals
+    # the tokenizer's and every id an engine can sample decodes.
+    n = len(SPECIAL_TOKENS) + len(vocab_words)
+    pad = (-n) % VOCAB_MULTIPLE
+    filler = [f"<unused_{i}>" for i in range(pad)]
+    trainer = trainers.WordLevelTrainer(special_tokens=SPECIAL_TOKENS, min_frequency=1, vocab_size=n + pad)
+    tok.train_from_iterator([" ".join(vocab_words)], trainer=trainer)
+    tok.add_special_tokens(filler)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        pad_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        extra_special_tokens={"image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
+                              "vision_start_token": "<|vision_start|>", "vision_end_token": "<|vision_end|>"},
+        model_max_length=4096,
+        padding_side="left",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out_dir)
+    vocab = tok.get_vocab()
+    assert len(vocab) % VOCAB_MULTIPLE == 0, len(vocab)
+    return vocab
+
+
+def build_tiny_model(out_dir: str | Path, seed: int = 0, extra_words: list[str] | None = None) -> Path:
+    """Write a tiny Qwen3-VL checkpoint directory (config, safetensors, tokenizer, processor, template)."""
+    import torch
+    from transformers import (
+        GenerationConfig,
+        Qwen2VLImageProcessor,
+        Qwen3VLConfig,
+        Qwen3VLForConditionalGeneration,
+        Qwen3VLProcessor,
+        Qwen3VLVideoProcessor,
+    )
+
+    from visionrl.data.synthetic import task_vocabulary
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = train_tokenizer(task_vocabulary() + list(extra_words or []), out)
+    config = Qwen3VLConfig(**tiny_config_dict(len(vocab), vocab))
+
+    torch.manual_seed(seed)
+    model = Qwen3VLForConditionalGeneration(config).to(torch.float32).eval()
+    model.save_pretrained(out, safe_serialization=True)
+
+    image_processor = Qwen2VLImageProcessor(
+        patch_size=16, merge_size=2, temporal_patch_size=2,
+        image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
+        min_pixels=32 * 32, max_pixels=448 * 448, size={"shortest_edge": 32 * 32, "longest_edge": 448 * 448},
+    )
+    video_processor = Qwen3VLVideoProcessor(
+        patch_size=16, merge_size=2, temporal_patch_size=2, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
+    )
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    processor = Qwen3VLProcessor(
+        image_processor=image_processor, tokenizer=tokenizer, video_processor=video_processor,
+        chat_template=CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(out)
+    GenerationConfig(
+        eos_token_id=vocab["<|im_end|>"], pad_token_id=vocab["<|endoftext|>"], do_sample=True, temperature=1.0,
+    ).save_pretrained(out)
+    (out / "visionrl_tiny.json").write_text(json.dumps({"seed": seed, "kind": "tiny-qwen3-vl"}, indent=2) + "\n")
+    return out
