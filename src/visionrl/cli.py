@@ -43,7 +43,7 @@ def _cmd_make_data(args: argparse.Namespace) -> int:
     summary = make_dataset(args.dir, args.task, args.num_train, args.num_eval, args.seed, image_size=args.image_size)
     for split in ("train", "eval"):
         info = summary[split]
-        print(f"{split}: {info['count']} records -> {info['path']}  answers: {info['answers']}")
+        print(f"{split}: {info['num_samples']} records -> {info['file']}  answers: {info['answer_counts']}")
     return 0
 
 

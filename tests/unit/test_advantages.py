@@ -162,7 +162,9 @@ def test_property_zero_group_mean(data: tuple[list[int], int], scale: str) -> No
 
 @settings(max_examples=60, deadline=None)
 @given(data=_rewards_and_group, shift=st.integers(-5, 5), factor=st.integers(1, 4))
-def test_property_std_scale_is_shift_and_scale_invariant(data: tuple[list[int], int], shift: int, factor: int) -> None:
+def test_property_std_scale_is_shift_and_scale_invariant(
+    data: tuple[list[int], int], shift: int, factor: int
+) -> None:
     # With eps = 0, (r - mean) / std is unchanged by r -> factor * r + shift, and a group with signal has
     # unit sample std after scaling.
     values, g = data

@@ -147,7 +147,9 @@ def test_color_is_the_mean_shape_colour(tmp_path: Path) -> None:
 def test_count_is_the_number_of_blobs(tmp_path: Path) -> None:
     make_dataset(tmp_path, "count", num_train=40, num_eval=0, seed=12)
     for record in _records(tmp_path / "train.jsonl"):
-        assert _count_components(_shape_mask(_pixels(tmp_path, record))) == int(record["answer"]), record["id"]
+        assert _count_components(_shape_mask(_pixels(tmp_path, record))) == int(record["answer"]), record[
+            "id"
+        ]
 
 
 @pytest.mark.parametrize("size", [32, 64])

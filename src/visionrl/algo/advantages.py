@@ -134,7 +134,10 @@ def group_stats(rewards: Tensor, group_size: int) -> dict[str, Tensor]:
     zero = torch.zeros((), dtype=grouped.dtype, device=grouped.device)
     num_groups = grouped.shape[0]
     if num_groups == 0:
-        return {k: zero for k in ("num_groups", "zero_std_fraction", "group_std_mean", "reward_mean", "reward_std")}
+        return {
+            k: zero
+            for k in ("num_groups", "zero_std_fraction", "group_std_mean", "reward_mean", "reward_std")
+        }
     group_std = grouped.std(dim=1, correction=1) if group_size > 1 else torch.zeros_like(grouped[:, 0])
     return {
         "num_groups": torch.tensor(float(num_groups), dtype=grouped.dtype, device=grouped.device),

@@ -150,7 +150,9 @@ def aggregate(
     try:
         fn = _AGGREGATIONS[aggregation]
     except KeyError:
-        raise ValueError(f"unknown aggregation {aggregation!r}; choose one of {list(_AGGREGATIONS)}") from None
+        raise ValueError(
+            f"unknown aggregation {aggregation!r}; choose one of {list(_AGGREGATIONS)}"
+        ) from None
     if per_token.dim() != 2 or mask.shape != per_token.shape:
         raise ValueError(
             f"per_token and mask must both be [B, T]; got {tuple(per_token.shape)} and {tuple(mask.shape)}"
@@ -168,7 +170,12 @@ def aggregate(
 
 
 def _check_policy_inputs(
-    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, clip_low: float, clip_high: float
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float,
+    clip_high: float,
 ) -> None:
     """Raise ValueError naming the bad argument, its value and what is expected."""
     if logprobs.dim() != 2:
@@ -352,8 +359,9 @@ def token_logprobs(logits: Tensor, token_ids: Tensor) -> Tensor:
     """Log-softmax of ``logits`` gathered at ``token_ids``: [B, T, V], [B, T] -> [B, T] (any leading dims).
 
     Computed as ``logit[token] - logsumexp(logits)`` in float32 (float64 stays float64): log_softmax
-    would write a second full [..., V] tensor and keep it alive for backward, logsumexp returns [...]
-    and its backward reuses the logits. Token ids must lie in [0, V).
+    would return a second full [..., V] tensor and keep it alive until backward, whereas logsumexp only
+    needs a transient temporary, returns [...] and its backward reuses the logits. bf16 logits are
+    upcast once (needed for precision). Token ids must lie in [0, V).
     """
     if token_ids.dtype.is_floating_point or token_ids.dtype == torch.bool:
         raise ValueError(f"token_ids must be an integer tensor, got dtype {token_ids.dtype}")

@@ -22,6 +22,8 @@ from typing import Any, Literal
 
 from PIL import Image
 
+from visionrl.errors import InputError
+
 logger = logging.getLogger(__name__)
 
 FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
@@ -30,7 +32,7 @@ BadImagePolicy = Literal["error", "skip"]
 IMAGE_ERRORS = (OSError, SyntaxError, ValueError, EOFError, struct.error, Image.DecompressionBombError)
 
 
-class DatasetError(ValueError):
+class DatasetError(InputError):
     """A data file or record is malformed; the message names the file, line, field and the fix."""
 
 
@@ -144,7 +146,7 @@ def _iter_jsonl(path: str) -> Iterator[tuple[str, int, dict[str, Any]]]:
             if not text.strip():
                 continue
             try:
-                obj = json.loads(text)
+                obj = json.loads(text.rstrip("\r\n"))  # so that the error column is on this line
             except json.JSONDecodeError as e:
                 raise DatasetError(
                     f"{where}: invalid JSON ({e.msg} at column {e.colno}); each line must hold one JSON object"
@@ -311,8 +313,6 @@ def load_dataset(
     skipped: list[tuple[int, str]] = []
     first_line_of_id: dict[str, int] = {}
     for where, lineno, record in rows:
-        if max_samples is not None and len(entries) >= max_samples:
-            break
         entry = _check_record(record, where, lineno, f"{stem}-{lineno}", base_dir)
         if entry.id in first_line_of_id:
             raise DatasetError(
@@ -323,6 +323,8 @@ def load_dataset(
         reason = _first_bad_image(entry, verify_images)
         if reason is None:
             entries.append(entry)
+            if len(entries) == max_samples:
+                break  # before the next line is even parsed
         elif on_bad_image == "skip":
             skipped.append((lineno, reason))
         else:

@@ -138,8 +138,14 @@ def train_tokenizer(words: list[str], out_dir: Path) -> dict[str, int]:
     return vocab
 
 
-def build_tiny_model(out_dir: str | Path, seed: int = 0, extra_words: list[str] | None = None) -> Path:
-    """Write a tiny Qwen3-VL checkpoint directory (config, safetensors, tokenizer, processor, template)."""
+def build_tiny_model(
+    out_dir: str | Path, seed: int = 0, extra_words: list[str] | None = None, pretrain: bool = False
+) -> Path:
+    """Write a tiny Qwen3-VL checkpoint directory (config, safetensors, tokenizer, processor, template).
+
+    `pretrain=True` adds the short supervised pre-training of `models/pretrain.py` (about half a minute),
+    giving a base that reads images and answers in format, as real bases do.
+    """
     import torch
     from transformers import (
         GenerationConfig,
@@ -159,7 +165,6 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, extra_words: list[str] 
 
     torch.manual_seed(seed)
     model = Qwen3VLForConditionalGeneration(config).to(torch.float32).eval()
-    model.save_pretrained(out, safe_serialization=True)
 
     image_processor = Qwen2VLImageProcessor(
         patch_size=16, merge_size=2, temporal_patch_size=2,
@@ -177,8 +182,15 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, extra_words: list[str] 
         chat_template=CHAT_TEMPLATE,
     )
     processor.save_pretrained(out)
+    info: dict = {"seed": seed, "kind": "tiny-qwen3-vl", "pretrained": pretrain}
+    if pretrain:
+        from visionrl.models.pretrain import pretrain_tiny
+
+        report = pretrain_tiny(model, processor, seed=seed)
+        info.update(pretrain_steps=report.steps, pretrain_final_loss=round(report.final_loss, 4))
+    model.save_pretrained(out, safe_serialization=True)
     GenerationConfig(
         eos_token_id=vocab["<|im_end|>"], pad_token_id=vocab["<|endoftext|>"], do_sample=True, temperature=1.0,
     ).save_pretrained(out)
-    (out / "visionrl_tiny.json").write_text(json.dumps({"seed": seed, "kind": "tiny-qwen3-vl"}, indent=2) + "\n")
+    (out / "visionrl_tiny.json").write_text(json.dumps(info, indent=2) + "\n")
     return out

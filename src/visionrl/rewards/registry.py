@@ -16,13 +16,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from visionrl.errors import InputError
 from visionrl.rewards.builtin import BUILTIN_KWARG_CHECKS, BUILTIN_REWARDS, list_builtin_rewards
 
 RewardFn = Callable[[str, Any, Mapping[str, Any]], float]
 """A reward: ``f(completion, answer, record) -> float``; ``answer`` is ``record["answer"]``."""
 
 
-class RewardConfigError(ValueError):
+class RewardConfigError(InputError):
     """A reward spec cannot be turned into a callable (bad name, import path or kwargs)."""
 
 

@@ -1,0 +1,24 @@
+"""Turn dataset samples into prompts: chat template applied, images kept apart for the engine/learner."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from visionrl.data.dataset import Sample
+from visionrl.rollout.types import PromptItem
+
+
+def prompt_messages(sample: Sample, system_prompt: str | None = None) -> list[dict[str, Any]]:
+    messages = list(sample.messages)
+    if system_prompt:
+        messages = [{"role": "system", "content": [{"type": "text", "text": system_prompt}]}, *messages]
+    return messages
+
+
+def build_prompt(sample: Sample, processor: Any, system_prompt: str | None = None) -> PromptItem:
+    """The chat-templated prompt text (one image placeholder per image; processors expand them)."""
+    text = processor.apply_chat_template(
+        prompt_messages(sample, system_prompt), add_generation_prompt=True, tokenize=False
+    )
+    record = dict(sample.record)
+    return PromptItem(text=text, images=list(sample.images), answer=sample.answer, record=record, sample_id=sample.id)

@@ -1,0 +1,480 @@
+"""Evaluation of a base model + LoRA adapter on the user's own visual benchmark (`visionrl eval`).
+
+Evaluation is greedy decoding scored by the same rewards as training. It is split in layers so that every
+way of producing answers shares one scoring and one report:
+
+- `evaluate_prompts(engine, prompts, reward_fn, ...)`: greedy answers from any object with
+  `.generate(prompts, spec)` (the vLLM or HF rollout engine; the training loop uses it for periodic eval);
+- `score_generations(prompts, generations, reward_fn)`: backend-agnostic scoring of `Generation`s (what an
+  endpoint evaluation produces from HTTP responses goes through here too);
+- `summarize(...)` and `write_report(...)`: the report JSON and its Markdown twin;
+- `evaluate_local(...)`: the whole local run (data, processor, engine, adapter, report).
+
+`ablate(prompts, seed)` permutes images across samples: if accuracy stays up without the right image, the
+model answers from the text alone.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import re
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Protocol
+
+from visionrl.errors import InputError
+from visionrl.rewards import CombinedReward, RewardSpec, build_reward_fn
+from visionrl.rollout.types import AdapterPayload, Completion, PromptItem, SamplingSpec
+
+logger = logging.getLogger(__name__)
+
+# What a rollout engine raises for a prompt it cannot serve (too long, an image it rejects, an internal
+# engine error after its own retry). Such a prompt becomes a failed record; other exceptions are bugs.
+GENERATION_ERRORS: tuple[type[Exception], ...] = (RuntimeError, ValueError)
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+MARKDOWN_SAMPLES = 10  # samples shown in the Markdown twin (all of them are in the JSON)
+ENGINES = ("vllm", "hf")
+
+
+class GenerateEngine(Protocol):
+    """The one method evaluation needs from an engine (both rollout engines have it)."""
+
+    def generate(self, prompts: list[PromptItem], spec: SamplingSpec) -> list[list[Completion]]: ...
+
+
+@dataclass
+class Generation:
+    """One prompt's answer from any backend, before scoring.
+
+    `text` is None when the request or generation failed, and `error` then says why. `latency_ms` is the
+    time this answer took (for batched local generation: the batch's wall time divided by its size).
+    """
+
+    text: str | None
+    num_tokens: int = 0
+    latency_ms: float = 0.0
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+# --------------------------------------------------------------------------- scoring
+
+
+def positive_weight(reward_fn: CombinedReward) -> float:
+    """Sum of the positive reward weights: the best total when every reward lies in [0, 1]."""
+    total = sum(spec.weight for spec in reward_fn.specs if spec.weight > 0)
+    if total <= 0:
+        raise ValueError("evaluation needs at least one reward with a positive weight to define 'correct'")
+    return total
+
+
+def score_generations(
+    prompts: Sequence[PromptItem], generations: Sequence[Generation], reward_fn: CombinedReward
+) -> list[dict[str, Any]]:
+    """Per-sample records: id, answer, completion, reward, rewards, correct, num_tokens, latency_ms,
+    finish_reason, error.
+
+    `reward` is the weighted total and `rewards` the unweighted components. A sample is `correct` iff
+    reward / (sum of positive weights) >= 0.5: with the default single `exact_match` that is an exact
+    match; with several rewards, at least half of the attainable reward. Failed samples (error set) are
+    not scored: completion and reward are None and correct is False; `summarize` leaves them out.
+    """
+    if len(prompts) != len(generations):
+        raise ValueError(f"got {len(prompts)} prompts but {len(generations)} generations")
+    best = positive_weight(reward_fn)
+    ok = [i for i, g in enumerate(generations) if g.error is None]
+    # The reward record is the data record with the answer the prompt carries (they may differ for
+    # hand-built prompts), as in training.
+    result = reward_fn.score(
+        [generations[i].text or "" for i in ok],
+        [{**prompts[i].record, "answer": prompts[i].answer} for i in ok],
+    )
+    scored = {i: j for j, i in enumerate(ok)}
+    records = []
+    for i, (prompt, gen) in enumerate(zip(prompts, generations, strict=True)):
+        j = scored.get(i)
+        reward = None if j is None else result.total[j]
+        records.append(
+            {
+                "id": prompt.sample_id,
+                "answer": prompt.answer,
+                "completion": gen.text if j is not None else None,
+                "reward": reward,
+                "rewards": None if j is None else {k: v[j] for k, v in result.per_reward.items()},
+                "correct": reward is not None and reward / best >= 0.5,
+                "num_tokens": gen.num_tokens,
+                "latency_ms": gen.latency_ms,
+                "finish_reason": gen.finish_reason,
+                "error": gen.error,
+            }
+        )
+    return records
+
+
+# --------------------------------------------------------------------------- local generation
+
+
+def _from_completion(completion: Completion, latency_ms: float) -> Generation:
+    return Generation(completion.text, len(completion.token_ids), latency_ms, completion.finish_reason)
+
+
+def _generate_batch(
+    engine: GenerateEngine, batch: list[PromptItem], spec: SamplingSpec, clock: Callable[[], float]
+) -> list[Generation]:
+    """Greedy answers of one batch; if the batch fails, each prompt is retried alone to isolate the bad one."""
+    start = clock()
+    try:
+        outputs = engine.generate(batch, spec)
+    except GENERATION_ERRORS as err:
+        logger.warning(
+            "generation of a batch of %d failed (%s); retrying its prompts one by one", len(batch), err
+        )
+    else:
+        per_sample_ms = (clock() - start) * 1000.0 / len(batch)
+        return [_from_completion(out[0], per_sample_ms) for out in outputs]
+    generations = []
+    for prompt in batch:
+        start = clock()
+        try:
+            out = engine.generate([prompt], spec)[0][0]
+        except GENERATION_ERRORS as err:
+            generations.append(
+                Generation(None, 0, (clock() - start) * 1000.0, None, f"{type(err).__name__}: {err}")
+            )
+        else:
+            generations.append(_from_completion(out, (clock() - start) * 1000.0))
+    return generations
+
+
+def evaluate_prompts(
+    engine: GenerateEngine,
+    prompts: list[PromptItem],
+    reward_fn: CombinedReward,
+    *,
+    max_tokens: int,
+    batch_size: int = 64,
+    clock: Callable[[], float] = time.perf_counter,
+) -> list[dict[str, Any]]:
+    """Greedy-decode every prompt with `engine` in batches and score the answers (see `score_generations`).
+
+    A prompt the engine cannot serve (it raises one of GENERATION_ERRORS) becomes a failed record with the
+    error message; the others are still evaluated. `latency_ms` of a sample is its batch's wall time
+    (measured with `clock`, in seconds) divided by the batch size.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    spec = SamplingSpec(n=1, greedy=True, max_tokens=max_tokens)
+    generations: list[Generation] = []
+    for start in range(0, len(prompts), batch_size):
+        generations.extend(_generate_batch(engine, prompts[start : start + batch_size], spec, clock))
+    return score_generations(prompts, generations, reward_fn)
+
+
+# --------------------------------------------------------------------------- report
+
+
+def nearest_rank(values: Sequence[float], percent: int) -> float | None:
+    """The `percent`-th percentile by nearest rank: the ceil(percent/100 * n)-th smallest value (None if empty)."""
+    if not 0 < percent <= 100:
+        raise ValueError(f"percent must be in (0, 100], got {percent}")
+    if not values:
+        return None
+    ordered = sorted(values)
+    # percent * n is an exact integer, so the division is exact when the rank is whole (no 18.999... rounding).
+    return ordered[max(1, math.ceil(percent * len(ordered) / 100)) - 1]
+
+
+def summarize(
+    records: list[dict[str, Any]],
+    *,
+    model: str,
+    data: str,
+    started: float,
+    duration_s: float,
+    ablate_images: bool,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The report: headline numbers, settings and the per-sample `records` (under `samples`).
+
+    A sample failed when its request or generation raised (`error` set); a wrong answer is not a failure.
+    `accuracy` = correct / (num_samples - num_failed), 0.0 when every sample failed; `mean_reward` and the
+    nearest-rank latency percentiles are over the samples that did not fail (None when none did).
+    `tokens_per_s` = tokens generated / `duration_s` (the wall time of generating and scoring).
+    `started` is a Unix time; `created` is it in ISO 8601 (UTC). `extra` adds fields (engine, adapter, ...).
+    """
+    done = [r for r in records if r["error"] is None]
+    num_failed = len(records) - len(done)
+    num_correct = sum(bool(r["correct"]) for r in done)
+    latencies = [float(r["latency_ms"]) for r in done]
+    num_tokens = sum(int(r["num_tokens"]) for r in done)
+    report: dict[str, Any] = {
+        "model": model,
+        "data": data,
+        "ablate_images": ablate_images,
+        "created": datetime.fromtimestamp(started, UTC).isoformat(timespec="seconds"),
+        "num_samples": len(records),
+        "num_failed": num_failed,
+        "num_correct": num_correct,
+        "accuracy": num_correct / len(done) if done else 0.0,
+        "mean_reward": sum(float(r["reward"]) for r in done) / len(done) if done else None,
+        "latency_ms_p50": nearest_rank(latencies, 50),
+        "latency_ms_p95": nearest_rank(latencies, 95),
+        "num_tokens": num_tokens,
+        "tokens_per_s": num_tokens / duration_s if duration_s > 0 else None,
+        "duration_s": duration_s,
+    }
+    report.update(extra or {})
+    report["samples"] = records
+    return report
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    # Write beside the target and rename: a reader never sees half a report, even if we are killed.
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _cell(value: Any, width: int = 60) -> str:
+    """A Markdown table cell: None as '-', floats to 3 decimals, no pipes or line breaks, cut to `width`."""
+    if value is None:
+        return "-"
+    text = f"{value:.3f}" if isinstance(value, float) else str(value)
+    text = text.replace("|", "\\|").replace("\r", " ").replace("\n", " ")
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+HEADLINE = (
+    "model", "data", "accuracy", "num_samples", "num_failed", "mean_reward",
+    "latency_ms_p50", "latency_ms_p95", "tokens_per_s", "ablate_images", "created",
+)  # fmt: skip
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    """A short human-readable twin of the report: headline numbers and the first samples."""
+    lines = ["# visionrl evaluation", "", "| metric | value |", "| --- | --- |"]
+    lines += [f"| {key} | {_cell(report.get(key), 200)} |" for key in HEADLINE]
+    samples = report.get("samples", [])
+    shown = samples[:MARKDOWN_SAMPLES]
+    lines += ["", f"## First {len(shown)} of {len(samples)} samples", ""]
+    lines += [
+        "| id | answer | completion | reward | correct | error |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in shown:
+        cells = [r["id"], r["answer"], r["completion"], r["reward"], r["correct"], r["error"]]
+        lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(report: dict[str, Any], out: str | Path) -> None:
+    """Write `report` as JSON at `out` and as Markdown at `out` with the suffix `.md`; both atomically."""
+    path = Path(out)
+    if path.suffix.lower() == ".md":
+        raise InputError(
+            f"report path '{path}' ends in .md, which is the Markdown twin's name; use e.g. .json"
+        )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write(path, json.dumps(report, indent=2, ensure_ascii=False, default=str) + "\n")
+    _atomic_write(path.with_suffix(".md"), render_markdown(report))
+
+
+# --------------------------------------------------------------------------- image ablation
+
+
+def ablate(prompts: list[PromptItem], seed: int) -> list[PromptItem]:
+    """Copies of `prompts` with the images permuted across samples; text, answer and record stay in place.
+
+    Only samples with the same number of images swap (the prompt text has one placeholder per image). Within
+    each such group the permutation is a random cycle through all of them (Sattolo's algorithm), so no
+    sample keeps its own images; a group of one sample cannot be permuted and keeps its images (warned).
+    """
+    rng = random.Random(seed)
+    groups: dict[int, list[int]] = {}
+    for i, p in enumerate(prompts):
+        if p.images:
+            groups.setdefault(len(p.images), []).append(i)
+    out = list(prompts)
+    for count, members in sorted(groups.items()):
+        if len(members) < 2:
+            logger.warning("ablate: the only sample with %d image(s) keeps its own images", count)
+            continue
+        source = list(members)
+        for k in range(len(source) - 1, 0, -1):  # Sattolo: j < k makes the permutation a single cycle
+            j = rng.randrange(k)
+            source[k], source[j] = source[j], source[k]
+        for target, src in zip(members, source, strict=True):
+            out[target] = replace(prompts[target], images=list(prompts[src].images))
+    return out
+
+
+# --------------------------------------------------------------------------- local evaluation
+
+
+def _resolve_adapter(adapter: str | Path) -> Path:
+    """The adapter directory: `adapter` itself, or its `adapter/` subfolder (a run directory)."""
+    path = Path(adapter)
+    if not path.is_dir():
+        raise InputError(
+            f"adapter '{path}' is not a directory; pass the adapter folder of a run (RUN_DIR/adapter), "
+            "or omit --adapter to evaluate the base model"
+        )
+    for candidate in (path, path / "adapter"):
+        if all((candidate / name).is_file() for name in ADAPTER_FILES):
+            return candidate
+    raise InputError(
+        f"adapter '{path}' lacks {' and '.join(ADAPTER_FILES)}; pass a PEFT adapter folder "
+        "(saved with safetensors), e.g. RUN_DIR/adapter"
+    )
+
+
+def _read_adapter_config(adapter_dir: Path) -> dict[str, Any]:
+    cfg_path = adapter_dir / "adapter_config.json"
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as err:
+        raise InputError(f"{cfg_path} is not valid JSON ({err}); re-export the adapter") from None
+    missing = [k for k in ("r", "lora_alpha", "target_modules") if cfg.get(k) is None]
+    if missing or not isinstance(cfg["r"], int):
+        raise InputError(
+            f"{cfg_path} lacks {', '.join(missing) or 'an integer r'}; pass a PEFT LoRA adapter folder"
+        )
+    # Both engines rebuild the LoRA layout from r, lora_alpha and target_modules only.
+    unsupported = [k for k in ("modules_to_save", "rank_pattern", "alpha_pattern") if cfg.get(k)]
+    if unsupported:
+        raise InputError(
+            f"{cfg_path} sets {', '.join(unsupported)}, which local evaluation does not support; "
+            "save the adapter with plain LoRA layers (one rank and alpha, no modules_to_save)"
+        )
+    return cfg
+
+
+def _peft_targets(target_modules: str | list[str]) -> str:
+    """One regex with peft's meaning of `target_modules`: a string is a full-match regex; a list of names
+    matches a module whose name is, or ends in '.' + , one of them."""
+    if isinstance(target_modules, str):
+        return target_modules
+    names = "|".join(re.escape(str(name)) for name in sorted(target_modules))
+    return rf"(?:.*\.)?(?:{names})"
+
+
+def _build_engine(
+    engine: str,
+    base: str,
+    adapter_cfg: dict[str, Any] | None,
+    forbidden: list[int],
+    max_images: int,
+    seed: int,
+) -> Any:
+    """The rollout engine for local evaluation, with a LoRA layout matching the adapter (if any)."""
+    from visionrl.rollout.vllm_engine import cpu_only
+
+    dtype = "float32" if cpu_only() else "bfloat16"  # bf16 is 4-20x slower than fp32 on CPUs (FACTS.md)
+    if engine == "vllm":
+        from visionrl.rollout.vllm_engine import VLLMEngine
+
+        rank = adapter_cfg["r"] if adapter_cfg else 16  # no adapter: LoRA is enabled but never requested
+        tower = adapter_cfg is not None and "visual" in json.dumps(adapter_cfg["target_modules"])
+        return VLLMEngine(
+            base,
+            lora_rank=rank,
+            tower_lora=tower,
+            forbidden_token_ids=forbidden,
+            dtype=dtype,
+            seed=seed,
+            max_images_per_prompt=max(1, max_images),
+        )
+    from visionrl.config import LoraConfig
+    from visionrl.rollout.hf_engine import HFEngine
+
+    # Without an adapter the default LoRA has B = 0, so the model equals the base model.
+    lora = LoraConfig()
+    if adapter_cfg:
+        lora = LoraConfig(
+            rank=adapter_cfg["r"],
+            alpha=float(adapter_cfg["lora_alpha"]),
+            target_modules=_peft_targets(adapter_cfg["target_modules"]),
+        )
+    return HFEngine(base, lora=lora, forbidden_token_ids=forbidden, dtype=dtype, seed=seed)
+
+
+def evaluate_local(
+    base: str,
+    adapter: str | None,
+    data: str,
+    out: str,
+    engine: str = "vllm",
+    ablate_images: bool = False,
+    max_samples: int | None = None,
+    max_tokens: int = 32,
+    rewards: list[str] | None = None,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Evaluate `base` (+ `adapter`) on `data` with a local engine ("vllm" or "hf"); write and return the report.
+
+    `rewards` are reward names (default ["exact_match"]), each of weight 1. Bad inputs (missing data file or
+    adapter, unknown reward or engine, a base directory that is not a Qwen3-VL checkpoint) raise InputError
+    before any model is loaded.
+    """
+    from transformers import AutoConfig
+
+    from visionrl.data.dataset import load_dataset
+    from visionrl.data.prompts import build_prompt
+    from visionrl.models.loader import check_model_dir, load_processor, vision_token_ids
+
+    if engine not in ENGINES:
+        raise InputError(f"unknown engine {engine!r}; use one of {', '.join(ENGINES)}")
+    if not os.path.isfile(data):
+        raise InputError(f"data file '{data}' not found; pass a JSONL or Parquet file of evaluation records")
+    check_model_dir(base)
+    adapter_dir = _resolve_adapter(adapter) if adapter else None
+    adapter_cfg = _read_adapter_config(adapter_dir) if adapter_dir else None
+    reward_names = list(rewards or ["exact_match"])
+    reward_fn = build_reward_fn([RewardSpec(name) for name in reward_names])
+
+    processor = load_processor(base)
+    prompts = [build_prompt(sample, processor) for sample in load_dataset(data, max_samples=max_samples)]
+    if ablate_images:
+        prompts = ablate(prompts, seed)
+    forbidden = vision_token_ids(AutoConfig.from_pretrained(base), processor)
+    max_images = max(len(p.images) for p in prompts)
+    runner = _build_engine(engine, base, adapter_cfg, forbidden, max_images, seed)
+    try:
+        if adapter_dir is not None:
+            files = {name: (adapter_dir / name).read_bytes() for name in ADAPTER_FILES}
+            runner.load_adapter(AdapterPayload(version=1, files=files))
+        started, t0 = time.time(), time.perf_counter()
+        records = evaluate_prompts(runner, prompts, reward_fn, max_tokens=max_tokens)
+        duration_s = time.perf_counter() - t0
+    finally:
+        runner.close()
+        reward_fn.close()
+    model = base if adapter_dir is None else f"{base} + {adapter_dir}"
+    extra = {
+        "base": base, "adapter": None if adapter_dir is None else str(adapter_dir), "engine": engine,
+        "rewards": reward_names, "max_tokens": max_tokens, "seed": seed,
+    }  # fmt: skip
+    report = summarize(
+        records,
+        model=model,
+        data=data,
+        started=started,
+        duration_s=duration_s,
+        ablate_images=ablate_images,
+        extra=extra,
+    )
+    write_report(report, out)
+    return report

@@ -1,0 +1,475 @@
+"""TensorBoard metrics for visionrl: every metric name, the writer, a reader, and console progress.
+
+All tag strings used anywhere in the project live in this module, so a dashboard, a test or a
+benchmark can import the name instead of retyping it. `MetricsWriter` writes scalars, histograms,
+a picture grid of a few rollouts and a Markdown table of them; `read_scalars` / `read_tags` read an
+event directory back with TensorBoard's own reader. `Progress` prints training progress to the console.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, TextIO
+
+import numpy as np
+from PIL import Image, ImageDraw, ImageFont
+
+if TYPE_CHECKING:
+    import torch
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+logger = logging.getLogger(__name__)
+
+# ---------------------------------------------------------------- tags
+REWARD_MEAN = "reward/mean"
+REWARD_STD = "reward/std"
+ZERO_STD_FRACTION = "reward/zero_std_fraction"  # share of groups whose rewards are all equal (no signal)
+REWARD_ERRORS = "reward/errors"  # completions whose reward function raised
+REWARD_TIMEOUTS = "reward/timeouts"  # completions whose reward function ran out of time
+LOSS_POLICY = "loss/policy"
+LOSS_KL = "loss/kl"
+LOSS_TOTAL = "loss/total"
+CLIP_FRACTION = "policy/clip_fraction"
+ENTROPY = "policy/entropy"
+GRAD_NORM = "policy/grad_norm"
+APPROX_KL = "policy/approx_kl"
+KL_REF = "policy/kl_ref"
+LR = "policy/lr"
+LENGTH_MEAN = "response/length_mean"
+LENGTH_MAX = "response/length_max"
+TRUNCATED_FRACTION = "response/truncated_fraction"
+TIMING_ROLLOUT = "timing/rollout_s"
+TIMING_REWARD = "timing/reward_s"
+TIMING_UPDATE = "timing/update_s"
+TIMING_SYNC = "timing/sync_s"
+TIMING_STEP = "timing/step_s"
+THROUGHPUT = "throughput/tokens_per_s"
+EVAL_ACCURACY = "eval/accuracy"
+LOGPROB_DIFF = "rollout/logprob_diff"  # engine vs learner log-prob mismatch of the same tokens
+ADAPTER_VERSION = "rollout/adapter_version"
+GROUPS_KEPT = "rollout/groups_kept"  # groups left after dynamic sampling drops zero-signal ones
+REWARD_HIST = "reward/hist"
+LENGTH_HIST = "response/length_hist"
+SAMPLES_PREFIX = "samples/"
+SAMPLES_IMAGE = SAMPLES_PREFIX + "rollouts"
+SAMPLES_TABLE = SAMPLES_PREFIX + "table"
+
+REQUIRED_SCALARS: tuple[str, ...] = (
+    REWARD_MEAN,
+    REWARD_STD,
+    LOSS_POLICY,
+    LOSS_KL,
+    CLIP_FRACTION,
+    ENTROPY,
+    GRAD_NORM,
+    LENGTH_MEAN,
+    TRUNCATED_FRACTION,
+    TIMING_ROLLOUT,
+    TIMING_UPDATE,
+    TIMING_STEP,
+    THROUGHPUT,
+    EVAL_ACCURACY,
+)
+"""Scalar tags every training run must write (DESIGN.md); checks and dashboards rely on them."""
+
+REQUIRED_HISTOGRAMS: tuple[str, ...] = (REWARD_HIST, LENGTH_HIST)
+"""Histogram tags every training run must write (DESIGN.md)."""
+
+REWARD_COMPONENT_PREFIX = "reward/component/"
+
+
+def reward_component_tag(name: str) -> str:
+    """Tag of the mean of one reward component of a combined reward, e.g. `reward/component/format`."""
+    if not name.strip():
+        raise ValueError("reward component name is empty; give each reward function a non-empty name")
+    return REWARD_COMPONENT_PREFIX + name
+
+
+# ---------------------------------------------------------------- rollout pictures
+@dataclass(frozen=True)
+class RolloutSample:
+    """One rollout shown in TensorBoard: the prompt image, the question, what the model said, the reference."""
+
+    image: Image.Image
+    question: str
+    completion: str
+    answer: str
+    reward: float
+
+
+GRID_PAD = 8  # px between cells and around the grid
+TEXT_MARGIN = 4  # px between the picture and the first text line
+LINE_HEIGHT = 14  # px per text line; the default font is 13 px tall (ascent 10 + descent 3)
+QUESTION_LINES = 3
+COMPLETION_LINES = 6
+TEXT_LINES = QUESTION_LINES + COMPLETION_LINES + 2  # + the answer line + the reward bar
+MAX_COMPLETION_CHARS = 400  # long completions are cut before wrapping; the table shows the same prefix
+ELLIPSIS = "..."  # ASCII: the bitmap fallback font has no Unicode ellipsis
+
+_BACKGROUND = (224, 224, 224)
+_CELL = (255, 255, 255)
+_TEXT = (20, 20, 20)
+_COMPLETION_TEXT = (20, 40, 140)
+_GOOD = (30, 150, 60)  # reward > 0.5
+_BAD = (200, 40, 40)
+
+
+Font = ImageFont.ImageFont | ImageFont.FreeTypeFont | ImageFont.TransposedFont
+
+
+def cell_height(cell: int) -> int:
+    """Height in px of one grid cell: the cell x cell picture square, then TEXT_LINES lines of text."""
+    return cell + TEXT_MARGIN + TEXT_LINES * LINE_HEIGHT
+
+
+def truncate(text: str, max_chars: int) -> str:
+    """`text` cut to at most `max_chars` characters, ending in ELLIPSIS when something was cut."""
+    if len(text) <= max_chars:
+        return text
+    return text[: max(0, max_chars - len(ELLIPSIS))] + ELLIPSIS
+
+
+def wrap_text(text: str, width: int, max_lines: int, font: Font | None = None) -> list[str]:
+    """Word-wrap `text` to lines at most `width` px wide in `font`; at most `max_lines` lines.
+
+    Words wider than a line are split by character. When the text does not fit, the last line kept
+    ends with ELLIPSIS, so a reader sees that something was cut.
+    """
+    font = font or ImageFont.load_default()
+    lines: list[str] = []
+    for word in " ".join(text.split()).split(" "):
+        candidate = f"{lines[-1]} {word}" if lines and lines[-1] else word
+        if lines and font.getlength(candidate) <= width:
+            lines[-1] = candidate
+            continue
+        lines.append("")
+        for char in word:  # a new line; split the word when it alone is too wide
+            if lines[-1] and font.getlength(lines[-1] + char) > width:
+                lines.append("")
+            lines[-1] += char
+    if len(lines) <= max_lines:
+        return lines
+    last = lines[max_lines - 1]
+    while last and font.getlength(last + ELLIPSIS) > width:
+        last = last[:-1]
+    return [*lines[: max_lines - 1], last.rstrip() + ELLIPSIS]
+
+
+def _fit_picture(image: Image.Image, cell: int) -> Image.Image:
+    """`image` as RGB, scaled to fit a cell x cell square keeping its aspect ratio."""
+    rgb = image.convert("RGB")
+    scale = cell / max(rgb.size)
+    size = (max(1, round(rgb.width * scale)), max(1, round(rgb.height * scale)))
+    # Nearest neighbour keeps small synthetic images crisp when enlarged; shrinking photos needs a filter.
+    resample = Image.Resampling.NEAREST if scale >= 1 else Image.Resampling.LANCZOS
+    return rgb.resize(size, resample)
+
+
+def _draw_cell(canvas: Image.Image, sample: RolloutSample, x0: int, y0: int, cell: int, font: Font) -> None:
+    """Draw one sample with its top-left corner at (x0, y0)."""
+    draw = ImageDraw.Draw(canvas)
+    draw.rectangle((x0, y0, x0 + cell - 1, y0 + cell_height(cell) - 1), fill=_CELL)
+    picture = _fit_picture(sample.image, cell)
+    canvas.paste(picture, (x0 + (cell - picture.width) // 2, y0 + (cell - picture.height) // 2))
+
+    y = y0 + cell + TEXT_MARGIN
+    blocks = [
+        (wrap_text("Q: " + sample.question, cell, QUESTION_LINES, font), QUESTION_LINES, _TEXT),
+        (
+            wrap_text(truncate(sample.completion, MAX_COMPLETION_CHARS), cell, COMPLETION_LINES, font),
+            COMPLETION_LINES,
+            _COMPLETION_TEXT,
+        ),
+        (wrap_text("answer: " + sample.answer, cell, 1, font), 1, _TEXT),
+    ]
+    for lines, slots, colour in blocks:
+        for i, line in enumerate(lines):
+            draw.text((x0 + 1, y + i * LINE_HEIGHT), line, fill=colour, font=font)
+        y += slots * LINE_HEIGHT  # fixed slots: every cell has the same layout, the reward bar lines up
+
+    # The reward is a coloured bar, not coloured text, so it reads at a glance in a grid of many cells.
+    colour = _GOOD if sample.reward > 0.5 else _BAD
+    draw.rectangle((x0, y, x0 + cell - 1, y + LINE_HEIGHT - 1), fill=colour)
+    draw.text((x0 + 2, y), f"reward {sample.reward:.2f}", fill=(255, 255, 255), font=font)
+
+
+def render_rollout_grid(samples: Sequence[RolloutSample], cols: int = 4, cell: int = 192) -> Image.Image:
+    """One RGB picture of `samples` in a grid of up to `cols` columns, each cell `cell` px wide.
+
+    Size: with c = min(cols, len(samples)) columns and r = ceil(len(samples) / c) rows, the picture is
+    c * cell + (c + 1) * GRID_PAD wide and r * cell_height(cell) + (r + 1) * GRID_PAD tall.
+    Raises ValueError for no samples or a non-positive `cols` / `cell`; PIL errors of unreadable images
+    (OSError, ValueError) propagate.
+    """
+    if not samples:
+        raise ValueError("render_rollout_grid needs at least one sample")
+    if cols < 1 or cell < 1:
+        raise ValueError(f"cols and cell must be positive, got cols={cols}, cell={cell}")
+    ncols = min(cols, len(samples))
+    nrows = math.ceil(len(samples) / ncols)
+    height = cell_height(cell)
+    canvas = Image.new(
+        "RGB",
+        (ncols * cell + (ncols + 1) * GRID_PAD, nrows * height + (nrows + 1) * GRID_PAD),
+        _BACKGROUND,
+    )
+    font = ImageFont.load_default()
+    for i, sample in enumerate(samples):
+        row, col = divmod(i, ncols)
+        x0 = GRID_PAD + col * (cell + GRID_PAD)
+        y0 = GRID_PAD + row * (height + GRID_PAD)
+        _draw_cell(canvas, sample, x0, y0, cell, font)
+    return canvas
+
+
+def _markdown_cell(text: str) -> str:
+    # A newline ends a Markdown table row and a pipe starts a new column: both must go.
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+def samples_markdown(samples: Sequence[RolloutSample], max_chars: int = MAX_COMPLETION_CHARS) -> str:
+    """A Markdown table of `samples` (question, completion cut to `max_chars`, answer, reward)."""
+    rows = ["| # | question | completion | answer | reward |", "|---|---|---|---|---|"]
+    for i, s in enumerate(samples):
+        cells = [s.question, truncate(s.completion, max_chars), s.answer]
+        rows.append(f"| {i} | " + " | ".join(_markdown_cell(c) for c in cells) + f" | {s.reward:.2f} |")
+    return "\n".join(rows)
+
+
+# ---------------------------------------------------------------- writer
+class MetricsWriter:
+    """Writes one run's metrics as TensorBoard event files in `log_dir` (created if missing).
+
+    Tags are free strings, but callers take them from the constants of this module.
+    Use as a context manager, or call `close()` at the end.
+    """
+
+    def __init__(self, log_dir: str | os.PathLike[str]) -> None:
+        from torch.utils.tensorboard import SummaryWriter  # heavy: imports torch
+
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._writer = SummaryWriter(log_dir=str(self.log_dir))
+
+    def scalars(self, step: int, values: Mapping[str, float | None]) -> None:
+        """Write each value of `values` under its tag; None means "not measured this step" and is skipped."""
+        for tag, value in values.items():
+            if value is not None:
+                self._writer.add_scalar(tag, float(value), global_step=step)
+
+    def histogram(self, step: int, tag: str, values: Sequence[float] | np.ndarray | torch.Tensor) -> bool:
+        """Write a histogram of the finite `values`; returns False (and warns) when none is left to write."""
+        if hasattr(values, "detach"):  # a torch tensor, possibly on an accelerator
+            values = values.detach().cpu().numpy()
+        array = np.asarray(values, dtype=np.float64).ravel()
+        finite = array[np.isfinite(array)]
+        if finite.size < array.size:
+            logger.warning(
+                "histogram %s step %d: dropped %d non-finite values", tag, step, array.size - finite.size
+            )
+        if finite.size == 0:
+            logger.warning("histogram %s step %d: no finite values, nothing written", tag, step)
+            return False
+        self._writer.add_histogram(tag, finite, global_step=step)
+        return True
+
+    def image(self, step: int, tag: str, picture: Image.Image) -> None:
+        """Write a PIL picture (converted to RGB, HWC uint8)."""
+        array = np.asarray(picture.convert("RGB"), dtype=np.uint8)
+        self._writer.add_image(tag, array, global_step=step, dataformats="HWC")
+
+    def rollout_images(
+        self, step: int, samples: Sequence[RolloutSample], cols: int = 4, cell: int = 192
+    ) -> bool:
+        """Write a grid picture of `samples` under SAMPLES_IMAGE; True if written.
+
+        A picture that cannot be drawn (an unreadable or truncated image file) is logged as a warning
+        and skipped: a debugging aid must never stop training.
+        """
+        if not samples:
+            return False
+        try:
+            grid = render_rollout_grid(samples, cols=cols, cell=cell)
+        except (OSError, ValueError) as error:  # what PIL raises for unreadable or unconvertible images
+            logger.warning("step %d: rollout picture not written: %s: %s", step, type(error).__name__, error)
+            return False
+        self.image(step, SAMPLES_IMAGE, grid)
+        return True
+
+    def text(self, step: int, tag: str, markdown: str) -> None:
+        """Write Markdown text (shown by TensorBoard's Text tab)."""
+        self._writer.add_text(tag, markdown, global_step=step)
+
+    def rollout_table(self, step: int, samples: Sequence[RolloutSample]) -> None:
+        """Write the Markdown table of `samples` under SAMPLES_TABLE."""
+        if samples:
+            self.text(step, SAMPLES_TABLE, samples_markdown(samples))
+
+    def flush(self) -> None:
+        """Push buffered events to disk, so a reader sees them now."""
+        self._writer.flush()
+
+    def close(self) -> None:
+        """Flush and close the event file."""
+        self._writer.close()
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------- reader
+def load_events(log_dir: str | os.PathLike[str]) -> EventAccumulator:
+    """TensorBoard's EventAccumulator over the event files in `log_dir`, loaded, keeping every event."""
+    from tensorboard.backend.event_processing import event_accumulator as ea
+
+    keep_all = {
+        ea.SCALARS: 0,
+        ea.HISTOGRAMS: 0,
+        ea.COMPRESSED_HISTOGRAMS: 0,
+        ea.IMAGES: 0,
+        ea.TENSORS: 0,
+    }
+    accumulator = ea.EventAccumulator(str(log_dir), size_guidance=keep_all)
+    accumulator.Reload()
+    return accumulator
+
+
+def read_tags(log_dir: str | os.PathLike[str]) -> dict[str, list[str]]:
+    """Tags in `log_dir` by kind: {"scalars": [...], "histograms": [...], "images": [...], "tensors": [...], ...}."""
+    tags: dict[str, Any] = load_events(log_dir).Tags()
+    return {kind: sorted(names) for kind, names in tags.items() if isinstance(names, list)}
+
+
+def read_scalars(log_dir: str | os.PathLike[str]) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar in `log_dir` as {tag: [(step, value), ...]} in the order written.
+
+    Old-style writers store scalars as `simple_value` (TensorBoard's Scalars); new-style ones store
+    0-d tensors with the scalars plugin's metadata (TensorBoard's Tensors). Both are read.
+    """
+    from tensorboard.util import tensor_util
+
+    accumulator = load_events(log_dir)
+    tags = accumulator.Tags()
+    result = {tag: [(e.step, float(e.value)) for e in accumulator.Scalars(tag)] for tag in tags["scalars"]}
+    for tag in tags["tensors"]:
+        if accumulator.SummaryMetadata(tag).plugin_data.plugin_name != "scalars":
+            continue  # text, histograms of new-style writers, ...
+        events = accumulator.Tensors(tag)
+        result[tag] = [(e.step, float(tensor_util.make_ndarray(e.tensor_proto).item())) for e in events]
+    return result
+
+
+# ---------------------------------------------------------------- console progress
+def format_duration(seconds: float) -> str:
+    """Compact duration: 45s, 1m02s, 2h05m."""
+    total = max(0, round(seconds))
+    hours, rest = divmod(total, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    if minutes:
+        return f"{minutes}m{secs:02d}s"
+    return f"{secs}s"
+
+
+def _format_fields(fields: Mapping[str, float]) -> str:
+    return " ".join(
+        f"{name} {value:.2f}" if isinstance(value, float) else f"{name} {value}"
+        for name, value in fields.items()
+    )
+
+
+class Progress:
+    """Training progress on the console: step i/N, the latest value of each field, and the ETA.
+
+    On a terminal it is a live rich progress bar. Elsewhere (CI logs, files) it prints one compact line
+    every `every` steps and at the last step, e.g. `step 10/100 reward 0.41 acc 0.30 eta 1m02s`.
+    Fields keep their latest value, so an accuracy measured every 50 steps stays on the line between evals.
+    """
+
+    def __init__(
+        self,
+        total: int,
+        *,
+        every: int = 10,
+        stream: TextIO | None = None,
+        start_step: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if total < 1 or every < 1:
+            raise ValueError(f"total and every must be positive, got total={total}, every={every}")
+        self.total = total
+        self.every = every
+        self._stream = stream if stream is not None else sys.stdout
+        self._start_step = start_step  # a resumed run: the ETA counts only steps done in this process
+        self._clock = clock
+        self._started = clock()
+        self._fields: dict[str, float] = {}
+        self._live: Any = None
+        self._task: Any = None
+        if self._stream.isatty():
+            self._start_live()
+
+    def _start_live(self) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
+        from rich.progress import Progress as RichProgress
+
+        # auto_refresh off: no background thread; the bar is redrawn at each update, which is often enough.
+        self._live = RichProgress(
+            TextColumn("step"),
+            MofNCompleteColumn(),
+            BarColumn(),
+            TextColumn("{task.fields[info]}"),
+            TimeRemainingColumn(),
+            console=Console(file=self._stream),
+            auto_refresh=False,
+        )
+        self._task = self._live.add_task("train", total=self.total, completed=self._start_step, info="")
+        self._live.start()
+
+    def line(self, step: int) -> str:
+        """The compact progress line for `step` with the current fields."""
+        done = step - self._start_step
+        eta = "?"
+        if done > 0:
+            per_step = (self._clock() - self._started) / done
+            eta = format_duration(per_step * (self.total - step))
+        info = _format_fields(self._fields)
+        return f"step {step}/{self.total}" + (f" {info}" if info else "") + f" eta {eta}"
+
+    def update(self, step: int, **fields: float | None) -> None:
+        """Record that `step` is done with these field values (None: not measured now, keep the last)."""
+        self._fields.update({name: value for name, value in fields.items() if value is not None})
+        if self._live is not None:
+            self._live.update(self._task, completed=step, info=_format_fields(self._fields))
+            self._live.refresh()
+        elif step % self.every == 0 or step == self.total:
+            print(self.line(step), file=self._stream, flush=True)
+
+    def close(self) -> None:
+        """Stop the live bar (no-op for line output)."""
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()

@@ -1,0 +1,143 @@
+"""Load a Qwen3-VL base model and processor from a checkpoint directory, and put LoRA on it.
+
+The same code takes the tiny test model and Qwen3-VL-8B-Instruct: both are plain checkpoint directories
+(hub-format configs, old `rope_scaling`/`torch_dtype` spellings included, are read by transformers).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from visionrl.config import LM_PROJECTIONS, MERGER_PROJECTIONS, LoraConfig
+from visionrl.errors import InputError
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel, ProcessorMixin
+
+SUPPORTED_MODEL_TYPES = ("qwen3_vl",)
+LM_HEAD = "lm_head"
+
+
+class ModelLoadError(InputError):
+    """The base model directory is missing, incomplete or of an unsupported architecture."""
+
+
+def check_model_dir(path: str | Path) -> dict[str, Any]:
+    """Read and check `config.json`; returns it. Raises ModelLoadError with what to do."""
+    p = Path(path)
+    cfg_path = p / "config.json"
+    if not p.is_dir():
+        raise ModelLoadError(
+            f"base model '{p}' is not a directory; pass a checkpoint directory "
+            "(e.g. one written by `visionrl init-tiny-model DIR`, or a downloaded Qwen3-VL-8B-Instruct)"
+        )
+    if not cfg_path.is_file():
+        raise ModelLoadError(f"base model '{p}' has no config.json; is it a complete checkpoint directory?")
+    try:
+        config = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as err:
+        raise ModelLoadError(f"{cfg_path} is not valid JSON ({err}); re-download or re-create the checkpoint") from None
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(
+            f"base model '{p}' has model_type '{model_type}'; visionrl supports {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    return config
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def load_processor(path: str | Path) -> ProcessorMixin:
+    from transformers import AutoProcessor
+
+    check_model_dir(path)
+    return AutoProcessor.from_pretrained(str(path))
+
+
+def load_base_model(
+    path: str | Path, dtype: str = "float32", device: str | torch.device = "cpu", attn_implementation: str = "sdpa"
+) -> PreTrainedModel:
+    """The base VLM, in eval mode, with frozen weights."""
+    from transformers import AutoModelForImageTextToText
+
+    check_model_dir(path)
+    model = AutoModelForImageTextToText.from_pretrained(
+        str(path), dtype=torch_dtype(dtype), attn_implementation=attn_implementation
+    )
+    model.to(device)
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def lora_target_regex(cfg: LoraConfig) -> str:
+    """One regex (peft full-match) covering the configured LoRA targets."""
+    if isinstance(cfg.target_modules, str):
+        parts = [cfg.target_modules]
+    else:
+        # Suffixes like ["q_proj", "v_proj"] stay on the language model (never the vision blocks).
+        names = "|".join(sorted(set(cfg.target_modules)))
+        parts = [rf".*language_model.*\.({names})"]
+    if cfg.train_merger:
+        parts.append(MERGER_PROJECTIONS)
+    if cfg.train_lm_head:
+        parts.append(LM_HEAD)
+    return "|".join(f"(?:{p})" for p in parts)
+
+
+def apply_lora(model: PreTrainedModel, cfg: LoraConfig, seed: int = 0) -> Any:
+    """Wrap `model` in a peft LoRA model (only the adapter is trainable). Deterministic for a seed."""
+    import torch
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    torch.manual_seed(seed)
+    peft_cfg = PeftLoraConfig(
+        r=cfg.rank,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=lora_target_regex(cfg),
+        init_lora_weights=True if cfg.init_lora_weights == "default" else "gaussian",
+        bias="none",
+    )
+    peft_model = get_peft_model(model, peft_cfg)
+    n = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    if n == 0:
+        raise InputError(
+            f"lora.target_modules={cfg.target_modules!r} matched no module of the model; "
+            f"the default {LM_PROJECTIONS!r} targets the language model's projections"
+        )
+    return peft_model
+
+
+def lora_param_groups(model: Any, lr: float, merger_lr: float | None, lm_head_lr: float | None) -> list[dict]:
+    """Optimizer parameter groups: language model LoRA, merger LoRA and lm_head LoRA may use their own rates."""
+    groups: dict[str, list] = {"lm": [], "merger": [], "lm_head": []}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if ".visual." in name or name.startswith("visual.") or "model.visual" in name:
+            groups["merger"].append(p)
+        elif f"{LM_HEAD}." in name:
+            groups["lm_head"].append(p)
+        else:
+            groups["lm"].append(p)
+    rates = {"lm": lr, "merger": merger_lr or lr, "lm_head": lm_head_lr or lr}
+    return [{"params": ps, "lr": rates[k], "name": k} for k, ps in groups.items() if ps]
+
+
+def vision_token_ids(model_config: Any, processor: Any) -> list[int]:
+    """Token ids that must never be sampled: image/video pads and vision delimiters (FACTS.md)."""
+    ids = {
+        getattr(model_config, "image_token_id", None),
+        getattr(model_config, "video_token_id", None),
+        getattr(model_config, "vision_start_token_id", None),
+        getattr(model_config, "vision_end_token_id", None),
+    }
+    return sorted(i for i in ids if i is not None)

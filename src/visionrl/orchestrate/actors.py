@@ -1,0 +1,164 @@
+"""Ray actors (thin wrappers of the plain classes) and their placement, plus the embedded Ray session.
+
+Actors: one learner, `rollout.num_engines` rollout engines, `ray.num_reward_workers` reward workers.
+Placement:
+- CPU only: everything on the local node; actors take no CPU reservation so 2 cores can host them all.
+- colocated (GPUs): each engine shares a GPU bundle with the learner (fractional GPUs in one placement group).
+- split (GPUs): engines and learner get their own GPUs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+import ray
+
+from visionrl.config import JobConfig, RayConfig
+from visionrl.rewards import RewardSpec, build_reward_fn
+from visionrl.rollout.types import AdapterPayload, Completion, PromptItem, SamplingSpec
+
+logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def ray_session(cfg: RayConfig) -> Iterator[dict[str, Any]]:
+    """Attach to `ray.address` / RAY_ADDRESS, or start an embedded local Ray in a temp dir, torn down at exit
+    (also on error or Ctrl-C). Yields a description of the session."""
+    address = cfg.address or os.environ.get("RAY_ADDRESS")
+    if ray.is_initialized():
+        yield {"mode": "existing"}
+        return
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        try:
+            yield {"mode": "attached", "address": address}
+        finally:
+            ray.shutdown()  # disconnects only; the cluster keeps running
+        return
+    # A short path: Ray's Unix sockets live under the temp dir and paths over ~107 bytes fail.
+    tmp = tempfile.mkdtemp(prefix="vrl-ray-", dir="/tmp" if os.path.isdir("/tmp") else None)
+    try:
+        ray.init(
+            num_cpus=cfg.num_cpus or os.cpu_count(),
+            include_dashboard=False,
+            _temp_dir=tmp,
+            log_to_driver=True,
+            configure_logging=True,
+            logging_level=logging.WARNING,
+        )
+        yield {"mode": "embedded", "temp_dir": tmp}
+    finally:
+        ray.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------- actors
+
+
+@ray.remote
+class LearnerActor:
+    def __init__(self, cfg: JobConfig) -> None:
+        from visionrl.train.learner import Learner
+
+        self.learner = Learner(cfg)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.learner, method)(*args, **kwargs)
+
+    def forbidden_token_ids(self) -> list[int]:
+        return self.learner.forbidden.tolist()
+
+
+@ray.remote
+class RolloutActor:
+    def __init__(self, cfg: JobConfig, forbidden: list[int], seed: int) -> None:
+        if cfg.train.torch_threads:
+            import torch
+
+            torch.set_num_threads(cfg.train.torch_threads)
+        self.engine = make_engine(cfg, forbidden, seed)
+
+    def generate(self, prompts: list[PromptItem], spec: SamplingSpec) -> list[list[Completion]]:
+        return self.engine.generate(prompts, spec)
+
+    def load_adapter(self, payload: AdapterPayload) -> int:
+        return self.engine.load_adapter(payload)
+
+    def adapter_version(self) -> int:
+        return self.engine.adapter_version()
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+@ray.remote
+class RewardActor:
+    def __init__(self, specs: list[RewardSpec], timeout_s: float) -> None:
+        self.fn = build_reward_fn(specs, timeout_s=timeout_s)
+
+    def score(self, completions: list[str], records: list[dict]) -> Any:
+        return self.fn.score(completions, records)
+
+
+def make_engine(cfg: JobConfig, forbidden: list[int], seed: int) -> Any:
+    """The configured rollout engine (plain object; also used without Ray by `visionrl eval`)."""
+    if cfg.rollout.engine == "vllm":
+        from visionrl.rollout.vllm_engine import VLLMEngine
+
+        return VLLMEngine(
+            cfg.model.path,
+            lora_rank=cfg.lora.rank,
+            tower_lora=cfg.lora.train_merger,
+            forbidden_token_ids=forbidden,
+            dtype=cfg.model.dtype,
+            max_model_len=cfg.rollout.max_model_len,
+            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+            enforce_eager=cfg.rollout.enforce_eager,
+            kv_cache_gib=cfg.rollout.kv_cache_gib,
+            seed=seed,
+        )
+    from visionrl.rollout.hf_engine import HFEngine
+
+    return HFEngine(cfg.model.path, lora=cfg.lora, forbidden_token_ids=forbidden, dtype=cfg.model.dtype, seed=seed)
+
+
+def reward_specs(cfg: JobConfig) -> list[RewardSpec]:
+    return [RewardSpec(name=r.name, weight=r.weight, kwargs=dict(r.kwargs)) for r in cfg.rewards]
+
+
+def start_actors(cfg: JobConfig) -> tuple[Any, list[Any], list[Any]]:
+    """Create learner, engines and reward workers with the configured placement."""
+    use_gpu = cfg.ray.learner_gpus > 0 or cfg.rollout.gpus_per_engine > 0
+    learner_opts: dict[str, Any] = {"num_cpus": 0, "num_gpus": cfg.ray.learner_gpus}
+    engine_opts: list[dict[str, Any]] = [
+        {"num_cpus": 0, "num_gpus": cfg.rollout.gpus_per_engine} for _ in range(cfg.rollout.num_engines)
+    ]
+    if use_gpu and cfg.ray.placement == "colocated":
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        # One GPU bundle holds the learner's and the first engine's share.
+        share = cfg.ray.learner_gpus + cfg.rollout.gpus_per_engine
+        pg = placement_group([{"GPU": max(1.0, share), "CPU": 0.001}])
+        ray.get(pg.ready())
+        strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=0)
+        learner_opts["scheduling_strategy"] = strategy
+        engine_opts[0]["scheduling_strategy"] = strategy
+    learner = LearnerActor.options(**learner_opts).remote(cfg)
+    forbidden = ray.get(learner.forbidden_token_ids.remote())
+    engines = [
+        RolloutActor.options(**opts).remote(cfg, forbidden, cfg.train.seed + i) for i, opts in enumerate(engine_opts)
+    ]
+    specs = reward_specs(cfg)
+    rewards = [
+        RewardActor.options(num_cpus=0).remote(specs, cfg.ray.reward_timeout_s) for _ in range(cfg.ray.num_reward_workers)
+    ]
+    # Fail early, with the actor's own error, if any of them cannot start.
+    ray.get([e.adapter_version.remote() for e in engines])
+    return learner, engines, rewards

@@ -1,0 +1,215 @@
+"""What the loop calls: the prompt stream (data side) and `Workers`, the fan-out over Ray actors.
+
+`Workers` hides how many engines and reward workers there are: prompts are split evenly over engines,
+completions over reward workers, and every adapter version is put in the object store once and loaded by all
+engines.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from visionrl.config import JobConfig
+from visionrl.data import PromptSampler, load_dataset
+from visionrl.data.prompts import build_prompt
+from visionrl.models.loader import load_processor
+from visionrl.rewards import RewardResult, build_reward_fn
+from visionrl.rollout.types import Completion, PromptItem, SamplingSpec
+from visionrl.train.learner import TrainBatch
+
+logger = logging.getLogger(__name__)
+
+
+class PromptStream:
+    """Batches of chat-templated prompts from the training data, resumable; and the held-out prompts."""
+
+    def __init__(self, cfg: JobConfig) -> None:
+        self.cfg = cfg
+        self.processor = load_processor(cfg.model.path)
+        self.train = load_dataset(cfg.data.train, on_bad_image=cfg.data.on_bad_image)
+        self.sampler = PromptSampler(
+            self.train, cfg.rollout.prompts_per_step, cfg.train.seed, balance_key=cfg.data.balance_key
+        )
+        self._eval: list[PromptItem] | None = None
+
+    def next_batch(self) -> list[PromptItem]:
+        return [self._prompt(self.train[i]) for i in self.sampler.next_batch()]
+
+    def _prompt(self, sample: Any) -> PromptItem:
+        return build_prompt(sample, self.processor, self.cfg.data.system_prompt)
+
+    def eval_prompts(self) -> list[PromptItem]:
+        if self.cfg.data.eval is None:
+            return []
+        if self._eval is None:
+            ds = load_dataset(self.cfg.data.eval, on_bad_image=self.cfg.data.on_bad_image,
+                              max_samples=self.cfg.data.max_eval_samples)
+            self._eval = [self._prompt(s) for s in ds]
+        return self._eval
+
+
+def _split(items: list, parts: int) -> list[list]:
+    k, r = divmod(len(items), parts)
+    out, start = [], 0
+    for i in range(parts):
+        end = start + k + (1 if i < r else 0)
+        out.append(items[start:end])
+        start = end
+    return out
+
+
+class _RemoteEngine:
+    """A Ray rollout actor seen as a plain engine (for the shared evaluation code)."""
+
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+
+    def generate(self, prompts: list[PromptItem], spec: SamplingSpec) -> list[list[Completion]]:
+        return ray.get(self.actor.generate.remote(prompts, spec))
+
+
+class Workers:
+    def __init__(self, learner: Any, engines: list[Any], rewards: list[Any], cfg: JobConfig) -> None:
+        self.learner, self.engines, self.rewards, self.cfg = learner, engines, rewards, cfg
+        self._eval_reward = None
+
+    # 2. rollout
+    def rollout(self, prompts: list[PromptItem], spec: SamplingSpec) -> list[list[Completion]]:
+        chunks = _split(prompts, len(self.engines))
+        refs = [e.generate.remote(c, spec) for e, c in zip(self.engines, chunks, strict=True) if c]
+        return [group for part in ray.get(refs) for group in part]
+
+    # 3. reward
+    def score(self, prompts: list[PromptItem], completions: list[list[Completion]]) -> RewardResult:
+        texts = [c.text for group in completions for c in group]
+        records = [_reward_record(p) for p, group in zip(prompts, completions, strict=True) for _ in group]
+        n = len(self.rewards)
+        parts = ray.get([w.score.remote(t, r) for w, t, r in zip(self.rewards, _split(texts, n), _split(records, n),
+                                                                    strict=True) if t])
+        return _merge_results(parts)
+
+    # 5. learner update
+    def update(self, batch: TrainBatch) -> dict[str, float]:
+        return ray.get(self.learner.call.remote("train_step", batch))
+
+    # 6. sync
+    def sync_adapter(self) -> int:
+        payload = self.learner.call.remote("adapter_payload")  # resolved once in the object store
+        versions = ray.get([e.load_adapter.remote(payload) for e in self.engines])
+        if len(set(versions)) != 1:
+            raise RuntimeError(f"engines serve different adapter versions after sync: {versions}")
+        return versions[0]
+
+    # 7. evaluate
+    def evaluate(self, prompts: list[PromptItem]) -> float | None:
+        if not prompts:
+            return None
+        from visionrl.evaluate import evaluate_prompts
+        from visionrl.orchestrate.actors import reward_specs
+
+        if self._eval_reward is None:
+            self._eval_reward = build_reward_fn(reward_specs(self.cfg), timeout_s=self.cfg.ray.reward_timeout_s)
+        records = evaluate_prompts(_RemoteEngine(self.engines[0]), prompts, self._eval_reward,
+                                   max_tokens=self.cfg.rollout.max_new_tokens)
+        ok = [r for r in records if r.get("error") is None]
+        return sum(bool(r["correct"]) for r in ok) / max(1, len(ok))
+
+    # 7. checkpoint
+    def checkpoint(self, run: Path, step: int, prompts: PromptStream) -> Path:
+        from visionrl.checkpoint import save_checkpoint
+
+        payload = ray.get(self.learner.call.remote("adapter_payload"))
+        state = ray.get(self.learner.call.remote("state_dict"))
+        return save_checkpoint(
+            run, step, adapter_files=payload.files, trainer_state=state["trainer_state"],
+            sampler_state=prompts.sampler.state_dict(), extra={"adapter_version": payload.version},
+            keep=self.cfg.logging.keep_checkpoints,
+        )
+
+    def resume(self, run: Path, prompts: PromptStream) -> int:
+        """Restore learner, sampler and engines from the newest complete checkpoint; returns its step."""
+        from visionrl.checkpoint import latest_checkpoint, load_checkpoint
+
+        path = latest_checkpoint(run)
+        if path is None:
+            logger.warning("no checkpoint in %s: starting from step 0", run / "checkpoints")
+            return 0
+        ckpt = load_checkpoint(path)
+        ray.get(self.learner.call.remote("load_state", str(ckpt.adapter_dir), ckpt.trainer_state))
+        prompts.sampler.load_state_dict(ckpt.sampler_state)
+        self.sync_adapter()
+        logger.warning("resumed from %s (step %d)", path, ckpt.step)
+        return ckpt.step
+
+    # end of run
+    def export_final(self, run: Path, accuracy: float | None) -> Path:
+        from visionrl.export import MANIFEST_NAME, build_manifest
+
+        adapter_dir = run / "adapter"
+        ray.get(self.learner.call.remote("save_adapter", str(adapter_dir)))
+        eval_results = {"accuracy": accuracy} if accuracy is not None else None
+        manifest = build_manifest(adapter_dir, base_model=self.cfg.model.path,
+                                  job_config=self.cfg.model_dump(mode="json"), eval_results=eval_results)
+        # Written last and atomically: a reader that finds the manifest finds a complete adapter.
+        tmp = adapter_dir / f".{MANIFEST_NAME}.tmp"
+        tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+        tmp.replace(adapter_dir / MANIFEST_NAME)
+        return adapter_dir
+
+    def close(self) -> None:
+        ray.get([e.close.remote() for e in self.engines])
+        for actor in [self.learner, *self.engines, *self.rewards]:
+            ray.kill(actor)
+
+
+def _reward_record(p: PromptItem) -> dict[str, Any]:
+    record = dict(p.record)
+    record.setdefault("answer", p.answer)
+    return record
+
+
+def _merge_results(parts: list[RewardResult]) -> RewardResult:
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    return RewardResult(
+        total=[x for p in parts for x in p.total],
+        per_reward={k: [x for p in parts for x in p.per_reward[k]] for k in first.per_reward},
+        num_errors={k: sum(p.num_errors[k] for p in parts) for k in first.num_errors},
+        num_timeouts={k: sum(p.num_timeouts[k] for p in parts) for k in first.num_timeouts},
+        error_examples={k: v for p in reversed(parts) for k, v in p.error_examples.items()},
+    )
+
+
+def rollout_samples(prompts: list[PromptItem], completions: list[list[Completion]], totals: list[float], n: int):  # noqa: ANN201
+    """A few rollouts (the first completion of the first `n` groups) for the TensorBoard picture grid."""
+    from visionrl.metrics import RolloutSample
+
+    out = []
+    G = len(completions[0]) if completions else 1
+    for i, (p, group) in enumerate(zip(prompts[:n], completions[:n], strict=False)):
+        if not p.images:
+            continue
+        question = _question_text(p.record)
+        out.append(RolloutSample(image=p.images[0], question=question, completion=group[0].text,
+                                 answer=json.dumps(p.answer) if not isinstance(p.answer, str) else p.answer,
+                                 reward=float(totals[i * G])))
+    return out
+
+
+def _question_text(record: dict[str, Any]) -> str:
+    if isinstance(record.get("prompt"), str):
+        return record["prompt"]
+    texts = []
+    for msg in record.get("messages", []):
+        content = msg.get("content")
+        if isinstance(content, str):
+            texts.append(content)
+        else:
+            texts.extend(part.get("text", "") for part in content or [] if part.get("type") == "text")
+    return " ".join(t for t in texts if t)

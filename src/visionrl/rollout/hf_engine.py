@@ -1,0 +1,113 @@
+"""Fallback rollout engine: transformers `generate` with the peft adapter (`rollout.engine: hf`).
+
+Slower than vLLM (FACTS.md: 17x off the bandwidth floor on an H200) but needs nothing beyond transformers,
+so it runs where vLLM cannot be installed and serves as the GPU benchmark's engine.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from visionrl.config import LoraConfig
+from visionrl.models.loader import apply_lora, load_base_model, load_processor
+from visionrl.rollout.types import AdapterPayload, Completion, PromptItem, SamplingSpec
+
+
+class HFEngine:
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        lora: LoraConfig,
+        forbidden_token_ids: list[int],
+        dtype: str = "float32",
+        device: str | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.processor = load_processor(model_path)
+        self.processor.tokenizer.padding_side = "left"
+        base = load_base_model(model_path, dtype, self.device)
+        self.model = apply_lora(base, lora, seed=seed).eval()
+        self.forbidden = list(forbidden_token_ids)
+        tok = self.processor.tokenizer
+        self.eos_id = int(base.generation_config.eos_token_id if base.generation_config.eos_token_id is not None
+                          else tok.eos_token_id)
+        self.pad_id = int(tok.pad_token_id if tok.pad_token_id is not None else self.eos_id)
+        self._version = 0
+        self._generator = torch.Generator(device="cpu").manual_seed(seed)
+
+    def adapter_version(self) -> int:
+        return self._version
+
+    def load_adapter(self, payload: AdapterPayload) -> int:
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load as load_safetensors
+
+        weights = load_safetensors(payload.files["adapter_model.safetensors"])
+        result = set_peft_model_state_dict(self.model, weights)
+        if getattr(result, "unexpected_keys", None):
+            cfg = json.loads(payload.files["adapter_config.json"])
+            raise ValueError(
+                f"adapter v{payload.version} does not fit this engine's LoRA layout "
+                f"(unexpected {result.unexpected_keys[:3]}...; adapter targets {cfg.get('target_modules')})"
+            )
+        self._version = payload.version
+        return self._version
+
+    @torch.no_grad()
+    def generate(self, prompts: list[PromptItem], spec: SamplingSpec) -> list[list[Completion]]:
+        if spec.seed is not None:
+            torch.manual_seed(spec.seed)
+        texts = [p.text for p in prompts]
+        images = [img for p in prompts for img in p.images] or None
+        enc = self.processor(text=texts, images=images, return_tensors="pt", padding=True).to(self.device)
+        gen_kwargs: dict[str, Any] = {
+            "max_new_tokens": spec.max_tokens,
+            "num_return_sequences": spec.n,
+            "output_scores": True,
+            "return_dict_in_generate": True,
+            "suppress_tokens": self.forbidden or None,
+            "eos_token_id": self.eos_id,
+            "pad_token_id": self.pad_id,
+        }
+        if spec.greedy:
+            gen_kwargs.update(do_sample=False)
+        else:
+            gen_kwargs.update(do_sample=True, temperature=spec.temperature, top_p=spec.top_p, top_k=0)
+        out = self.model.generate(**enc, **gen_kwargs)
+        prompt_len = enc["input_ids"].shape[1]
+        seqs = out.sequences[:, prompt_len:].cpu()
+        # Scores are the processed (temperature, suppression) logits of each step: the sampling distribution.
+        logps = torch.stack([torch.log_softmax(s.float(), dim=-1) for s in out.scores], dim=1).cpu()
+        results: list[list[Completion]] = [[] for _ in prompts]
+        for row in range(seqs.shape[0]):
+            ids, finish = self._trim(seqs[row].tolist())
+            lp = [float(logps[row, t, tok]) for t, tok in enumerate(ids)]
+            i = row // spec.n
+            text = self.processor.tokenizer.decode(ids, skip_special_tokens=True)
+            results[i].append(Completion(i, ids, text, lp, finish, adapter_version=self._version))
+        return results
+
+    def _trim(self, ids: list[int]) -> tuple[list[int], str]:
+        """Cut at the first end-of-sequence token (kept, as vLLM does); the rest is padding."""
+        if self.eos_id in ids:
+            return ids[: ids.index(self.eos_id) + 1], "stop"
+        return ids, "length"
+
+    def close(self) -> None:
+        self.model = None
+
+
+def save_payload(payload: AdapterPayload, path: str | Path | None = None) -> Path:
+    """Write an adapter payload to a directory (a temp dir by default)."""
+    out = Path(path) if path else Path(tempfile.mkdtemp(prefix=f"visionrl-adapter-v{payload.version}-"))
+    out.mkdir(parents=True, exist_ok=True)
+    for name, data in payload.files.items():
+        (out / name).write_bytes(data)
+    return out

@@ -1,0 +1,78 @@
+"""Small typed payloads passed between the loop, rollout engines, reward workers and the learner.
+
+They cross process boundaries (Ray), so they hold plain data: token ids, floats, strings, PIL images.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from PIL import Image
+
+
+@dataclass
+class PromptItem:
+    """One prompt of a step: the chat-templated text (image placeholders not yet expanded) and its images."""
+
+    text: str
+    images: list[Image.Image]
+    answer: Any = None
+    record: dict[str, Any] = field(default_factory=dict)
+    sample_id: str = ""
+
+
+@dataclass
+class SamplingSpec:
+    """How an engine samples: `n` completions per prompt (the GRPO group)."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 256
+    seed: int | None = None
+    greedy: bool = False
+
+
+@dataclass
+class Completion:
+    """One sampled completion. `logprobs[i]` is the engine's log-prob of `token_ids[i]` under the sampling
+    distribution (temperature applied, forbidden tokens removed), used to report the train/inference mismatch."""
+
+    prompt_index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[float]
+    finish_reason: str  # "stop" (end of sequence) or "length" (hit max_tokens)
+    adapter_version: int = 0
+
+    @property
+    def truncated(self) -> bool:
+        return self.finish_reason == "length"
+
+
+@dataclass
+class AdapterPayload:
+    """A LoRA adapter version as file bytes (adapter_config.json, adapter_model.safetensors), so it can travel
+    through Ray's object store to engines on other nodes, which write it to their own local disk."""
+
+    version: int
+    files: dict[str, bytes]
+
+
+class RolloutEngine(Protocol):
+    """What the loop needs from a rollout engine (vLLM in production, transformers generate as fallback)."""
+
+    def generate(self, prompts: list[PromptItem], spec: SamplingSpec) -> list[list[Completion]]:
+        """`spec.n` completions for every prompt, in prompt order."""
+        ...
+
+    def load_adapter(self, payload: AdapterPayload) -> int:
+        """Serve `payload` from now on (a new adapter version); returns the version now served."""
+        ...
+
+    def adapter_version(self) -> int:
+        """The adapter version this engine serves (0 = base model)."""
+        ...
+
+    def close(self) -> None: ...

