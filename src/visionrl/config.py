@@ -202,6 +202,30 @@ class JobConfig(_Section):
 # Loading
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that rejects a key repeated in one mapping (PyYAML would silently keep the last one,
+    dropping e.g. a whole first `train:` section)."""
+
+
+def _construct_unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> Any:
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue  # `<<: *anchor` merges; a key written next to it overrides the merged one (YAML rule)
+        key = loader.construct_object(key_node, deep=deep)
+        if not isinstance(key, str | int | float | bool):
+            continue  # unhashable keys: construct_mapping reports them
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"key {key!r} appears twice in one mapping; keep only one", key_node.start_mark
+            )
+        seen.add(key)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping)
+
+
 def _parse_override(item: str) -> tuple[list[str], Any]:
     if "=" not in item:
         raise ConfigError(f"override '{item}' is not of the form key.path=value (e.g. train.steps=10)")
@@ -210,7 +234,7 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
         raise ConfigError(f"override '{item}' has an empty key part; write it as section.key=value")
     # YAML parsing gives numbers, booleans, null and lists their natural types ("[a, b]", "1e-3", "true").
     try:
-        value = yaml.safe_load(raw) if raw != "" else ""
+        value = yaml.load(raw, Loader=_UniqueKeyLoader) if raw != "" else ""
     except yaml.YAMLError as err:
         raise ConfigError(f"override '{item}': value is not valid YAML ({err.__class__.__name__})") from None
     return key.split("."), value
@@ -252,6 +276,9 @@ def _format_errors(err: ValidationError, source: str) -> str:
             lines.append(f"  - {key}: unknown key; check the spelling (run `visionrl validate --schema` for all keys)")
         elif kind == "missing":
             lines.append(f"  - {key}: required key is missing; add it to the job file")
+        elif not e["loc"]:
+            # A cross-field check: its message names the keys itself; the input would be the whole file.
+            lines.append(f"  - {e['msg'].removeprefix('Value error, ')}")
         else:
             got = e.get("input")
             shown = repr(got) if not isinstance(got, dict) else "{...}"
@@ -273,7 +300,7 @@ def load_config(path: str | os.PathLike[str], overrides: list[str] | None = None
     if not p.is_file():
         raise ConfigError(f"job file '{p}' does not exist; pass the path of a YAML job file (see configs/)")
     try:
-        data = yaml.safe_load(p.read_text())
+        data = yaml.load(p.read_text(), Loader=_UniqueKeyLoader)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

@@ -110,9 +110,12 @@ def _base_model_info(base_model: str) -> dict[str, Any]:
         data = config_path.read_bytes()
         info["config_sha256"] = _sha256(data)
         try:
-            info["model_type"] = json.loads(data).get("model_type")
-        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
-            info["model_type"] = None  # the hash still pins the file; its content is the base model's problem
+            config = json.loads(data)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            config = (
+                None  # the hash still pins the file; a broken config is for the base model's loader to report
+            )
+        info["model_type"] = config.get("model_type") if isinstance(config, dict) else None
     return info
 
 
@@ -125,14 +128,11 @@ def processor_settings(base_dir: str | os.PathLike[str]) -> dict[str, Any] | Non
     """
     base = Path(base_dir)
     settings: dict[str, Any] | None = None
-    for name in ("processor_config.json", "preprocessor_config.json"):
-        path = base / name
-        if path.is_file():
-            data = _read_json(path, "processor config")
-            settings = (
-                data.get("image_processor", data) if isinstance(data.get("image_processor"), dict) else data
-            )
-            break
+    if (base / "processor_config.json").is_file():
+        nested = _read_json(base / "processor_config.json", "processor config").get("image_processor")
+        settings = nested if isinstance(nested, dict) else None
+    if settings is None and (base / "preprocessor_config.json").is_file():
+        settings = _read_json(base / "preprocessor_config.json", "preprocessor config")
     if settings is None:
         return None
     size = settings.get("size") if isinstance(settings.get("size"), dict) else {}
@@ -173,7 +173,7 @@ def build_manifest(
     adapter_config = _read_json(config_path, "adapter config")
     weights = adapter_dir / ADAPTER_WEIGHTS
     tensors = read_safetensors_header(weights) if weights.is_file() else None
-    files = {}
+    files: dict[str, dict[str, Any]] = {}
     for path in _adapter_files(adapter_dir):
         with path.open("rb") as f:
             digest, size = _sha256_stream(f)
@@ -308,7 +308,7 @@ def _write_manifest(fs: fsspec.AbstractFileSystem, root: str, manifest: dict[str
 
 def export_adapter(
     src: str | os.PathLike[str],
-    dest: str,
+    dest: str | os.PathLike[str],
     *,
     eval_results: dict[str, Any] | None = None,
     allow_unservable: bool = False,
@@ -332,18 +332,18 @@ def export_adapter(
         raise ExportError(
             f"vLLM cannot serve the adapter in {adapter_dir} as trained:\n  - "
             + "\n  - ".join(serving["problems"])
-            + "\nchange that and retrain, or export anyway with allow_unservable=True (--allow-unservable)"
+            + "\nchange that and retrain, or export anyway with allow_unservable=True"
         )
 
-    fs, root = fsspec.core.url_to_fs(dest)
+    fs, root = fsspec.core.url_to_fs(os.fspath(dest))
     fs.makedirs(root, exist_ok=True)
     manifest_path = _join(root, MANIFEST_NAME)
     if fs.exists(manifest_path):
         # Re-export over an old one: drop the old manifest first, so nobody reads new files under it.
         fs.rm(manifest_path)
-    in_place = _is_local(fs) and Path(root).resolve() == adapter_dir.resolve()
-    for name in manifest["files"]:
-        if not in_place:
+    # Exporting a run's adapter/ in place (to add the manifest) needs no copy.
+    if not (_is_local(fs) and Path(root).resolve() == adapter_dir.resolve()):
+        for name in manifest["files"]:
             _upload_file(fs, adapter_dir / name, _join(root, name))
     # Read every upload back before the manifest makes the export visible to readers.
     bad = _first_bad_file(fs, root, manifest["files"])
@@ -356,12 +356,12 @@ def export_adapter(
     return manifest
 
 
-def verify_adapter(src: str) -> dict[str, Any]:
+def verify_adapter(src: str | os.PathLike[str]) -> dict[str, Any]:
     """Check an exported adapter (folder or URL) against its manifest; returns the manifest.
 
     Raises ExportError if the manifest is missing or unreadable, or a file is missing or differs.
     """
-    fs, root = fsspec.core.url_to_fs(src)
+    fs, root = fsspec.core.url_to_fs(os.fspath(src))
     manifest_path = _join(root, MANIFEST_NAME)
     if not fs.exists(manifest_path):
         raise ExportError(

@@ -117,10 +117,10 @@ def check_servable(
 ) -> dict[str, Any]:
     """Whether vLLM serves this peft adapter as trained, and with which server flags.
 
-    `tensors` maps the adapter's safetensors keys to their dtypes (see `visionrl.export.read_safetensors_header`); with it
-    the targeted modules are read exactly from the weights, without it the target_modules setting is matched
-    against representative Qwen3-VL module names. Returns {"ok", "problems", "notes", "max_lora_rank"
-    (0 when no vLLM value fits), "tower_connector_lora", "targets" (module kind -> count)}.
+    `tensors` maps the adapter's safetensors keys to their dtypes (`visionrl.export.read_safetensors_header`):
+    with it the targeted modules are read exactly from the weights; without it the target_modules setting is
+    matched against representative Qwen3-VL module names. Returns {"ok", "problems", "notes",
+    "max_lora_rank" (0 when no vLLM value fits), "tower_connector_lora", "targets" (module kind -> count)}.
     """
     problems = _feature_problems(adapter_config)
     notes: list[str] = []

@@ -18,7 +18,9 @@ from visionrl.errors import InputError
 from visionrl.export import (
     MANIFEST_NAME,
     ExportError,
+    chat_template_sha256,
     export_adapter,
+    processor_settings,
     read_safetensors_header,
     verify_adapter,
 )
@@ -179,6 +181,32 @@ def test_export_into_the_adapter_dir_adds_the_manifest(tmp_path: Path, models: d
     assert verify_adapter(str(run / "adapter")) == manifest
     # The run's adapter dir now holds a manifest; exporting the run again still works.
     assert export_adapter(run, str(tmp_path / "out"))["files"] == manifest["files"]
+
+
+def test_processor_and_template_of_older_checkpoint_layouts(tmp_path: Path) -> None:
+    # Qwen2.5-VL style: a processor_config.json without image settings, a flat preprocessor_config.json
+    # with explicit pixel limits, and the chat template inside tokenizer_config.json.
+    (tmp_path / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2_5_VLProcessor"}))
+    pre = {
+        "patch_size": 14,
+        "merge_size": 2,
+        "min_pixels": 3136,
+        "max_pixels": 12845056,
+        "image_mean": [0.48],
+    }
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(pre | {"size": {"shortest_edge": 1}}))
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+
+    settings = processor_settings(tmp_path)
+    assert settings is not None
+    assert (settings["patch_size"], settings["min_pixels"], settings["max_pixels"]) == (14, 3136, 12845056)
+    assert settings["image_mean"] == [0.48] and settings["image_std"] is None
+    assert chat_template_sha256(tmp_path) == hashlib.sha256(template.encode()).hexdigest()
+    assert (
+        processor_settings(tmp_path / "nothing") is None
+        and chat_template_sha256(tmp_path / "nothing") is None
+    )
 
 
 # --------------------------------------------------------------------------------------------------

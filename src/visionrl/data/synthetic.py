@@ -24,6 +24,8 @@ from typing import Any
 
 from PIL import Image, ImageDraw
 
+from visionrl.errors import InputError
+
 RGB = tuple[int, int, int]
 
 # Colour names are the answers of the `color` task; the other tasks draw their shapes in these too.
@@ -279,12 +281,12 @@ def make_dataset(
     being {"file", "num_samples", "answer_counts": {answer: count}}.
     """
     if task not in TASKS:
-        raise ValueError(f"unknown synthetic task {task!r}; choose one of: {', '.join(TASKS)}")
+        raise InputError(f"unknown synthetic task {task!r}; choose one of: {', '.join(TASKS)}")
     for name, num in (("num_train", num_train), ("num_eval", num_eval)):
         if num < 0:
-            raise ValueError(f"{name} must be >= 0, got {num}")
+            raise InputError(f"{name} must be >= 0, got {num}")
     if not MIN_IMAGE_SIZE <= image_size <= MAX_IMAGE_SIZE:
-        raise ValueError(
+        raise InputError(
             f"image_size must be in [{MIN_IMAGE_SIZE}, {MAX_IMAGE_SIZE}] pixels, got {image_size}; "
             "smaller images cannot show the shapes unambiguously"
         )

@@ -1,0 +1,42 @@
+"""Shared fixtures: a tiny Qwen3-VL (built once per session) and a small synthetic data set."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# vLLM's CPU build: small KV cache, in-process engine, loopback only, no hub (FACTS.md).
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-weight tiny Qwen3-VL checkpoint (no pre-training: fast)."""
+    from visionrl.models.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+
+
+@pytest.fixture(scope="session")
+def pretrained_tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny base the demo uses: random init + the short supervised pre-training (~30 s)."""
+    from visionrl.models.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-pre") / "model", seed=0, pretrain=True)
+
+
+@pytest.fixture(scope="session")
+def color_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The synthetic colour task: 256 train / 64 eval records."""
+    from visionrl.data.synthetic import make_dataset
+
+    out = tmp_path_factory.mktemp("color")
+    make_dataset(out, "color", num_train=256, num_eval=64, seed=0)
+    return out

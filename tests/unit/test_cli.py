@@ -1,0 +1,163 @@
+"""The `visionrl` command line: light to start (no torch, vLLM or Ray before a command runs), bad input gives
+exit code 2 and one message on stderr (never a traceback), and `validate` / `make-data` do their job."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from visionrl.cli import EXIT_BAD_INPUT, build_parser, main
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = ROOT / "configs" / "demo.yaml"
+CONSOLE_SCRIPT = Path(sys.executable).with_name("visionrl")
+HEAVY = ("torch", "vllm", "ray", "transformers", "PIL")
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(args, capture_output=True, text=True, timeout=120, check=False)
+
+
+def visionrl(*args: str) -> subprocess.CompletedProcess[str]:
+    """The installed console script (the package's entry point), or `python -m visionrl.cli` without it."""
+    if CONSOLE_SCRIPT.is_file():
+        return run(str(CONSOLE_SCRIPT), *args)
+    return run(sys.executable, "-m", "visionrl.cli", *args)
+
+
+# --------------------------------------------------------------------------- light start
+
+
+def test_building_the_parser_imports_no_heavy_library() -> None:
+    code = (
+        "import json, sys\n"
+        "from visionrl.cli import build_parser\n"
+        "build_parser()\n"
+        f"print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))\n"
+    )
+    result = run(sys.executable, "-c", code)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == []
+
+
+def test_help_as_a_module_lists_every_command() -> None:
+    result = run(sys.executable, "-m", "visionrl.cli", "--help")
+    assert result.returncode == 0, result.stderr
+    for command in ("train", "eval", "export", "serve", "init-tiny-model", "make-data", "validate"):
+        assert command in result.stdout
+
+
+@pytest.mark.skipif(not CONSOLE_SCRIPT.is_file(), reason="the visionrl console script is not installed")
+def test_console_script_help() -> None:
+    result = run(str(CONSOLE_SCRIPT), "--help")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: visionrl")
+
+
+def test_subcommand_help_exits_zero(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["make-data", "--help"])
+    assert info.value.code == 0
+    assert "--num-train" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------- validate
+
+
+def test_validate_bad_file_exits_2_with_a_message_and_no_traceback(tmp_path: Path) -> None:
+    bad = tmp_path / "BAD.yaml"
+    bad.write_text("output_dir: x\nmodel:\n  path: [m\n")
+    result = visionrl("validate", str(bad))
+    assert result.returncode == EXIT_BAD_INPUT == 2
+    assert result.stderr.startswith("error: ") and "BAD.yaml: not valid YAML at line" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stdout == ""
+
+
+def test_validate_unknown_key_exits_2_naming_the_key(tmp_path: Path) -> None:
+    result = visionrl("validate", str(DEMO), "train.stepz=7")
+    assert result.returncode == 2
+    assert "train.stepz: unknown key" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_validate_prints_the_resolved_config_with_overrides(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate", str(DEMO), "train.steps=7", "rollout.temperature=0.5"]) == 0
+    out, err = capsys.readouterr()
+    resolved = yaml.safe_load(out)
+    assert resolved["train"]["steps"] == 7 and resolved["rollout"]["temperature"] == 0.5
+    # Every key is printed, defaults included, and the file's own values are kept.
+    assert resolved["algorithm"]["updates_per_batch"] == 1 and resolved["lora"]["rank"] == 16
+    assert err.strip().endswith("demo.yaml: valid")
+
+
+def test_validate_the_production_job_file(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate", str(ROOT / "configs" / "qwen3vl_8b_grpo_lora.yaml")]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["lora"]["rank"] == 64
+
+
+def test_validate_schema_lists_the_sections(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate", "--schema"]) == 0
+    schema = json.loads(capsys.readouterr().out)
+    assert {"model", "lora", "data", "rewards", "algorithm", "rollout", "train", "ray"} <= set(schema["properties"])
+
+
+def test_validate_without_a_file_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["validate"])
+    assert info.value.code == 2
+    assert "validate needs a CONFIG path" in capsys.readouterr().err
+
+
+def test_validate_missing_file_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate", str(tmp_path / "nope.yaml")]) == 2
+    assert "nope.yaml' does not exist" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- make-data
+
+
+def test_make_data_writes_the_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out_dir = tmp_path / "count"
+    assert main(["make-data", str(out_dir), "--task", "count", "--num-train", "8", "--num-eval", "4"]) == 0
+    train = [json.loads(line) for line in (out_dir / "train.jsonl").read_text().splitlines()]
+    evals = [json.loads(line) for line in (out_dir / "eval.jsonl").read_text().splitlines()]
+    assert (len(train), len(evals)) == (8, 4)
+    for record in train + evals:
+        assert record["answer"] in {"1", "2", "3", "4"}
+        assert (out_dir / record["images"][0]).is_file()
+    assert sorted(p.name for p in (out_dir / "images" / "eval").iterdir()) == [f"{i:05d}.png" for i in range(4)]
+    printed = capsys.readouterr().out
+    assert "train: 8 records" in printed and "eval: 4 records" in printed
+
+
+def test_make_data_unknown_task_exits_2_with_the_choices(tmp_path: Path) -> None:
+    result = visionrl("make-data", str(tmp_path / "d"), "--task", "shade", "--num-train", "2", "--num-eval", "1")
+    assert result.returncode == 2
+    assert "unknown synthetic task 'shade'" in result.stderr
+    assert "color, count, position, sides" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "d").exists()  # nothing written for bad arguments
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [(["--num-train", "-1"], "num_train must be >= 0"), (["--image-size", "8"], "image_size must be in")],
+)
+def test_make_data_bad_numbers_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    assert main(["make-data", str(tmp_path / "d"), "--task", "color", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err
+
+
+def test_make_data_needs_a_task(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["make-data", str(tmp_path / "d")])
+    assert info.value.code == 2
+    assert "--task" in capsys.readouterr().err

@@ -1,0 +1,337 @@
+"""Job config: the shipped job files validate; bad files fail with a ConfigError naming the key, the problem and
+the fix; `a.b=value` overrides are typed by YAML and applied without touching the input."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from visionrl.config import (
+    LM_PROJECTIONS,
+    ConfigError,
+    JobConfig,
+    apply_overrides,
+    config_from_dict,
+    dump_config,
+    load_config,
+)
+from visionrl.errors import InputError
+from visionrl.rewards import RewardSpec, resolve_reward
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+PRODUCTION = CONFIGS / "qwen3vl_8b_grpo_lora.yaml"
+
+MINIMAL: dict[str, Any] = {
+    "output_dir": "runs/x",
+    "model": {"path": "models/base"},
+    "data": {"train": "data/train.jsonl"},
+    "rewards": [{"name": "exact_match"}],
+}
+
+
+def write_yaml(tmp_path: Path, data: Any, name: str = "job.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def config_error(data: dict[str, Any], overrides: list[str] | None = None) -> str:
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(apply_overrides(data, overrides or []))
+    return str(info.value)
+
+
+# --------------------------------------------------------------------------- shipped job files
+
+
+@pytest.mark.parametrize("name", ["demo.yaml", "qwen3vl_8b_grpo_lora.yaml"])
+def test_shipped_job_files_validate_and_round_trip(name: str, tmp_path: Path) -> None:
+    cfg = load_config(CONFIGS / name)
+    assert isinstance(cfg, JobConfig)
+    # Every reward of the file can be built (names and kwargs are right, not just well-typed).
+    for reward in cfg.rewards:
+        resolve_reward(RewardSpec(reward.name, reward.weight, dict(reward.kwargs)))
+    # The resolved YAML that `visionrl validate` prints is itself a valid job file with the same values.
+    again = load_config(write_yaml(tmp_path, yaml.safe_load(dump_config(cfg))))
+    assert again == cfg
+
+
+def test_demo_file_values_are_kept_as_written() -> None:
+    raw = yaml.safe_load((CONFIGS / "demo.yaml").read_text())
+    cfg = load_config(CONFIGS / "demo.yaml")
+    assert cfg.lora.rank == raw["lora"]["rank"] == 16
+    assert cfg.rollout.max_new_tokens == raw["rollout"]["max_new_tokens"] == 2
+    assert cfg.train.lr == pytest.approx(3.0e-3)
+    assert cfg.model.dtype == "float32"
+    # Keys the file leaves out take their documented defaults.
+    assert cfg.lora.target_modules == LM_PROJECTIONS
+    assert cfg.algorithm.updates_per_batch == 1
+
+
+def test_production_job_file_describes_the_8b_job() -> None:
+    cfg = load_config(PRODUCTION)
+    assert Path(cfg.model.path).name == "Qwen3-VL-8B-Instruct"
+    assert not Path(cfg.model.path).is_absolute()  # a placeholder the header tells the user to fill
+    assert cfg.model.dtype == "bfloat16" and cfg.model.gradient_checkpointing
+    assert (cfg.lora.rank, cfg.lora.alpha) == (64, 128)
+    assert cfg.lora.target_modules == LM_PROJECTIONS and cfg.lora.train_merger
+    assert cfg.rollout.engine == "vllm" and cfg.rollout.gpus_per_engine > 0 and cfg.ray.learner_gpus > 0
+    assert cfg.ray.placement == "colocated"
+    assert (cfg.algorithm.group_size, cfg.rollout.prompts_per_step) == (8, 64)
+    assert (cfg.rollout.max_new_tokens, cfg.rollout.temperature) == (512, 1.0)
+    assert (cfg.algorithm.clip_low, cfg.algorithm.clip_high) == (0.2, 0.28)
+    assert cfg.algorithm.kl_coef <= 0.01
+    assert cfg.train.micro_batch_tokens == 16384
+    assert {r.name for r in cfg.rewards} <= {"exact_match", "numeric", "format"}
+    assert not Path(cfg.data.train).is_absolute()
+
+
+def test_production_job_file_header_says_what_where_and_how() -> None:
+    header = "\n".join(line for line in PRODUCTION.read_text().splitlines() if line.startswith("#"))
+    assert "Qwen3-VL-8B-Instruct" in header
+    assert "models/Qwen3-VL-8B-Instruct" in header  # where to download the base to
+    assert re.search(r"H200|H100", header)
+    assert "visionrl train configs/qwen3vl_8b_grpo_lora.yaml" in header
+
+
+# --------------------------------------------------------------------------- unknown keys and wrong types
+
+
+def test_minimal_config_is_valid_and_fills_defaults() -> None:
+    cfg = config_from_dict(MINIMAL)
+    assert cfg.algorithm.group_size == 8 and cfg.rollout.engine == "vllm" and cfg.ray.placement == "colocated"
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [("train.stepz=3", "train.stepz"), ("trian.steps=3", "trian"), ("lora.extra.deep=1", "lora.extra")],
+)
+def test_unknown_key_names_the_key_and_the_fix(override: str, key: str) -> None:
+    message = config_error(MINIMAL, [override])
+    assert f"{key}: unknown key" in message
+    assert "visionrl validate --schema" in message
+
+
+def test_unknown_key_inside_a_list_item_names_its_index() -> None:
+    data = {**MINIMAL, "rewards": [{"name": "exact_match"}, {"name": "format", "wieght": 2}]}
+    assert "rewards.1.wieght: unknown key" in config_error(data)
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "got"),
+    [
+        ("train.steps=many", "train.steps", "'many'"),
+        ("train.steps=7.5", "train.steps", "7.5"),
+        ("rollout.temperature=hot", "rollout.temperature", "'hot'"),
+        ("model.gradient_checkpointing=[1]", "model.gradient_checkpointing", "[1]"),
+        ("model.dtype=fp8", "model.dtype", "'fp8'"),
+        ("train=3", "train", "3"),
+        ("rewards=null", "rewards", "None"),
+    ],
+)
+def test_wrong_type_names_the_key_and_the_value(override: str, key: str, got: str) -> None:
+    message = config_error(MINIMAL, [override])
+    assert re.search(rf"^  - {re.escape(key)}: .*\(got {re.escape(got)}\)$", message, re.MULTILINE), message
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [("algorithm.group_size=1", "algorithm.group_size"), ("rollout.top_p=1.5", "rollout.top_p"),
+     ("lora.rank=0", "lora.rank"), ("algorithm.dual_clip=1.0", "algorithm.dual_clip")],
+)
+def test_out_of_range_values_name_the_key(override: str, key: str) -> None:
+    assert f"  - {key}: " in config_error(MINIMAL, [override])
+
+
+def test_missing_required_keys_are_all_listed() -> None:
+    message = config_error({"model": {}})
+    assert message.startswith("config: 4 problem(s)")
+    for key in ("output_dir", "model.path", "data", "rewards"):
+        assert f"  - {key}: required key is missing" in message
+
+
+# --------------------------------------------------------------------------- consistency between keys
+
+
+def test_updates_per_batch_that_does_not_divide_the_completions() -> None:
+    # 32 prompts x 8 = 256 completions; 3 does not divide 256.
+    message = config_error(MINIMAL, ["rollout.prompts_per_step=32", "algorithm.updates_per_batch=3"])
+    assert "algorithm.updates_per_batch=3 must divide the 256 completions" in message
+    assert "rollout.prompts_per_step" in message and "choose a divisor" in message
+    assert "(got" not in message  # a cross-field error does not dump the whole file as the "value"
+
+
+def test_updates_per_batch_must_keep_groups_whole() -> None:
+    # 256 completions / 64 updates = 4 completions per update: half a group of 8.
+    message = config_error(MINIMAL, ["rollout.prompts_per_step=32", "algorithm.updates_per_batch=64"])
+    assert "whole groups" in message and "rollout.prompts_per_step must be divisible by algorithm.updates_per_batch" in message
+    # A divisor of prompts_per_step is fine.
+    cfg = config_from_dict(apply_overrides(MINIMAL, ["rollout.prompts_per_step=32", "algorithm.updates_per_batch=4"]))
+    assert cfg.algorithm.updates_per_batch == 4
+
+
+def test_max_new_tokens_must_leave_room_for_the_prompt() -> None:
+    message = config_error(MINIMAL, ["rollout.max_model_len=512", "rollout.max_new_tokens=512"])
+    assert "rollout.max_new_tokens=512" in message and "rollout.max_model_len=512" in message
+    assert "raise max_model_len or lower max_new_tokens" in message
+    cfg = config_from_dict(apply_overrides(MINIMAL, ["rollout.max_model_len=512", "rollout.max_new_tokens=511"]))
+    assert cfg.rollout.max_new_tokens == 511
+
+
+def test_split_placement_needs_gpus() -> None:
+    message = config_error(MINIMAL, ["ray.placement=split"])
+    assert "ray.placement=split" in message
+    assert "rollout.gpus_per_engine" in message and "ray.learner_gpus" in message
+    assert "ray.placement=colocated" in message
+    cfg = config_from_dict(
+        apply_overrides(MINIMAL, ["ray.placement=split", "rollout.gpus_per_engine=1", "ray.learner_gpus=1"])
+    )
+    assert cfg.ray.placement == "split"
+
+
+# --------------------------------------------------------------------------- overrides
+
+
+def test_overrides_take_yaml_types() -> None:
+    out = apply_overrides(
+        MINIMAL,
+        [
+            "train.steps=7",
+            "train.lr=0.5e-3",
+            "model.gradient_checkpointing=true",
+            "train.betas=[0.8, 0.95]",
+            "lora.target_modules=[q_proj, v_proj]",
+            "data.eval=null",
+            "model.path=models/other",
+            "data.system_prompt=",
+        ],
+    )
+    assert out["train"]["steps"] == 7 and isinstance(out["train"]["steps"], int)
+    assert out["train"]["lr"] == 0.0005
+    assert out["model"]["gradient_checkpointing"] is True
+    assert out["train"]["betas"] == [0.8, 0.95]
+    assert out["data"]["eval"] is None and out["data"]["system_prompt"] == ""
+    cfg = config_from_dict(out)
+    assert cfg.train.betas == (0.8, 0.95)
+    assert cfg.lora.target_modules == ["q_proj", "v_proj"]
+    assert cfg.model.path == "models/other"
+
+
+def test_override_does_not_modify_its_input_and_the_last_one_wins() -> None:
+    before = yaml.safe_dump(MINIMAL)
+    out = apply_overrides(MINIMAL, ["model.path=a", "model.path=b", "rewards=[{name: numeric}]"])
+    assert out["model"]["path"] == "b" and out["rewards"] == [{"name": "numeric"}]
+    assert yaml.safe_dump(MINIMAL) == before
+
+
+def test_override_creates_a_missing_section() -> None:
+    assert "lora" not in MINIMAL
+    cfg = config_from_dict(apply_overrides(MINIMAL, ["lora.rank=4", "lora.train_merger=true"]))
+    assert cfg.lora.rank == 4 and cfg.lora.train_merger and cfg.lora.alpha == 32.0  # the rest: defaults
+
+
+def test_override_of_a_section_left_empty_in_yaml(tmp_path: Path) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(MINIMAL) + "train:\n")  # `train:` with nothing under it is null
+    assert load_config(path, ["train.steps=3"]).train.steps == 3
+
+
+def test_override_of_a_scalar_as_a_section_is_an_error() -> None:
+    with pytest.raises(ConfigError, match=r"'train\.steps\.x=1': 'steps' is a value, not a section"):
+        apply_overrides(MINIMAL, ["train.steps=7", "train.steps.x=1"])
+    with pytest.raises(ConfigError, match="'path' is a value, not a section"):
+        apply_overrides(MINIMAL, ["model.path.x=1"])
+
+
+@pytest.mark.parametrize(
+    ("item", "problem"),
+    [
+        ("train.steps", "is not of the form key.path=value"),
+        ("=3", "empty key part"),
+        ("train..steps=3", "empty key part"),
+        ("train.steps=[1, 2", "value is not valid YAML"),
+    ],
+)
+def test_malformed_override_is_an_error(item: str, problem: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(problem)):
+        apply_overrides(MINIMAL, [item])
+
+
+# --------------------------------------------------------------------------- loading files
+
+
+def test_load_config_applies_overrides_and_names_the_file(tmp_path: Path) -> None:
+    path = write_yaml(tmp_path, MINIMAL)
+    assert load_config(path, ["train.steps=7"]).train.steps == 7
+    with pytest.raises(ConfigError) as info:
+        load_config(path, ["train.stepz=7"])
+    assert str(info.value).startswith(f"{path}: 1 problem(s)")
+
+
+def test_malformed_yaml_reports_the_line(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("output_dir: x\nmodel:\n  path: m\n  dtype: [float32\ndata:\n  train: t\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml: not valid YAML at line 5, column \d+: .*fix the syntax"):
+        load_config(path)
+
+
+def test_bad_indentation_reports_the_line(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("output_dir: x\nmodel:\n  path: m\n   dtype: float32\n")
+    with pytest.raises(ConfigError, match="not valid YAML at line 4"):
+        load_config(path)
+
+
+def test_duplicate_key_is_an_error_with_its_line(tmp_path: Path) -> None:
+    # PyYAML alone would keep the second `train:` and silently drop the first one's steps.
+    path = tmp_path / "dup.yaml"
+    path.write_text(yaml.safe_dump(MINIMAL) + "train:\n  steps: 5\nlogging:\n  log_every: 2\ntrain:\n  lr: 0.1\n")
+    text = path.read_text().splitlines()
+    line = len(text) - 1  # the second `train:`
+    assert text[line - 1] == "train:"
+    with pytest.raises(ConfigError, match=rf"at line {line}, column 1: key 'train' appears twice"):
+        load_config(path)
+
+
+def test_yaml_merge_key_then_an_explicit_key_is_not_a_duplicate(tmp_path: Path) -> None:
+    # `<<:` merges a mapping; a key written next to it overrides the merged one (YAML rule).
+    path = tmp_path / "merge.yaml"
+    path.write_text(yaml.safe_dump(MINIMAL) + "rollout:\n  <<: {temperature: 0.5, top_p: 0.9}\n  temperature: 0.7\n")
+    cfg = load_config(path)
+    assert (cfg.rollout.temperature, cfg.rollout.top_p) == (0.7, 0.9)
+
+
+def test_duplicate_key_in_an_override_value_is_an_error() -> None:
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        apply_overrides(MINIMAL, ["rollout={temperature: 0.5, temperature: 0.7}"])
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"nope\.yaml' does not exist; pass the path of a YAML job file"):
+        load_config(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path)  # a directory is not a job file
+
+
+@pytest.mark.parametrize(("text", "kind"), [("- a\n- b\n", "list"), ("just text\n", "str"), ("3\n", "int")])
+def test_top_level_must_be_a_mapping(tmp_path: Path, text: str, kind: str) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=f"top level must be a mapping of sections.*got {kind}$"):
+        load_config(path)
+
+
+def test_empty_file_lists_the_required_keys(tmp_path: Path) -> None:
+    path = tmp_path / "empty.yaml"
+    path.write_text("# nothing yet\n")
+    with pytest.raises(ConfigError, match=r"4 problem\(s\)(.|\n)*output_dir: required key is missing"):
+        load_config(path)
+
+
+def test_config_error_is_bad_input() -> None:
+    # The CLI turns InputError into exit code 2 with the message and no traceback.
+    assert issubclass(ConfigError, InputError) and issubclass(ConfigError, ValueError)
