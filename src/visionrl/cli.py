@@ -40,7 +40,9 @@ def _cmd_init_tiny_model(args: argparse.Namespace) -> int:
 def _cmd_make_data(args: argparse.Namespace) -> int:
     from visionrl.data.synthetic import make_dataset
 
-    summary = make_dataset(args.dir, args.task, args.num_train, args.num_eval, args.seed, image_size=args.image_size)
+    summary = make_dataset(
+        args.dir, args.task, args.num_train, args.num_eval, args.seed, image_size=args.image_size
+    )
     for split in ("train", "eval"):
         info = summary[split]
         print(f"{split}: {info['num_samples']} records -> {info['file']}  answers: {info['answer_counts']}")
@@ -63,9 +65,18 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         from visionrl.evaluate import evaluate_endpoint
 
         report = evaluate_endpoint(
-            endpoint=args.endpoint, model=args.model, data=args.data, out=args.out, concurrency=args.concurrency,
-            ablate_images=args.ablate_images, max_samples=args.max_samples, max_tokens=args.max_tokens,
-            rewards=args.reward, timeout_s=args.timeout,
+            endpoint=args.endpoint,
+            model=args.model,
+            data=args.data,
+            out=args.out,
+            concurrency=args.concurrency,
+            ablate_images=args.ablate_images,
+            max_samples=args.max_samples,
+            max_tokens=args.max_tokens,
+            rewards=args.reward,
+            timeout_s=args.timeout,
+            seed=args.seed,
+            base=args.base,
         )
     else:
         if not args.base:
@@ -73,9 +84,16 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         from visionrl.evaluate import evaluate_local
 
         report = evaluate_local(
-            base=args.base, adapter=args.adapter, data=args.data, out=args.out, engine=args.engine,
-            ablate_images=args.ablate_images, max_samples=args.max_samples, max_tokens=args.max_tokens,
-            rewards=args.reward, seed=args.seed,
+            base=args.base,
+            adapter=args.adapter,
+            data=args.data,
+            out=args.out,
+            engine=args.engine,
+            ablate_images=args.ablate_images,
+            max_samples=args.max_samples,
+            max_tokens=args.max_tokens,
+            rewards=args.reward,
+            seed=args.seed,
         )
     print(
         f"accuracy {report['accuracy']:.3f} on {report['num_samples']} samples "
@@ -87,8 +105,15 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 def _cmd_export(args: argparse.Namespace) -> int:
     from visionrl.export import export_adapter
 
-    manifest = export_adapter(args.src, args.dest)
+    manifest = export_adapter(args.src, args.dest, allow_unservable=args.allow_unservable)
     print(f"exported {len(manifest['files'])} files to {args.dest}")
+    return 0
+
+
+def _cmd_fetch(args: argparse.Namespace) -> int:
+    from visionrl.serve import fetch_adapter
+
+    print(fetch_adapter(args.src, args.cache_dir).resolve())
     return 0
 
 
@@ -120,7 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = add("train", _cmd_train, "Train a LoRA adapter by GRPO from a YAML job file.")
     sp.add_argument("config", help="job file (YAML), e.g. configs/demo.yaml")
-    sp.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=10 rollout.temperature=0.8")
+    sp.add_argument(
+        "overrides", nargs="*", help="key=value overrides, e.g. train.steps=10 rollout.temperature=0.8"
+    )
     sp.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output_dir")
 
     sp = add("validate", _cmd_validate, "Check a job file and print the resolved config.")
@@ -128,35 +155,74 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("overrides", nargs="*", help="key=value overrides")
     sp.add_argument("--schema", action="store_true", help="print the JSON schema of job files")
 
-    sp = add("eval", _cmd_eval, "Measure accuracy (and latency) of a base model + adapter, locally or at an endpoint.")
+    sp = add(
+        "eval",
+        _cmd_eval,
+        "Measure accuracy (and latency) of a base model + adapter, locally or at an endpoint.",
+    )
     sp.add_argument("--data", required=True, help="evaluation data (JSONL or Parquet)")
-    sp.add_argument("--out", required=True, help="where to write the JSON report (a Markdown twin is written too)")
-    sp.add_argument("--base", help="local evaluation: base model directory")
+    sp.add_argument(
+        "--out", required=True, help="where to write the JSON report (a Markdown twin is written too)"
+    )
+    sp.add_argument(
+        "--base",
+        help="local evaluation: base model directory (with --endpoint: optional, "
+        "forbids its vision tokens as local evaluation does)",
+    )
     sp.add_argument("--adapter", help="local evaluation: adapter directory (omit for the base model)")
     sp.add_argument("--engine", choices=["vllm", "hf"], default="vllm", help="local evaluation engine")
-    sp.add_argument("--endpoint", help="served evaluation: OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1")
+    sp.add_argument(
+        "--endpoint", help="served evaluation: OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1"
+    )
     sp.add_argument("--model", help="served evaluation: model or adapter name at the endpoint")
     sp.add_argument("--concurrency", type=int, default=8, help="parallel requests (served evaluation)")
     sp.add_argument("--timeout", type=float, default=60.0, help="seconds per request (served evaluation)")
-    sp.add_argument("--ablate-images", action="store_true", help="permute images across samples (does it look?)")
+    sp.add_argument(
+        "--ablate-images", action="store_true", help="permute images across samples (does it look?)"
+    )
     sp.add_argument("--max-samples", type=int, default=None, help="evaluate at most this many records")
     sp.add_argument("--max-tokens", type=int, default=32, help="maximum new tokens per answer")
-    sp.add_argument("--reward", action="append", default=None,
-                    help="scoring reward (default exact_match; repeatable, e.g. numeric)")
+    sp.add_argument(
+        "--reward",
+        action="append",
+        default=None,
+        help="scoring reward (default exact_match; repeatable, e.g. numeric)",
+    )
     sp.add_argument("--seed", type=int, default=0, help="seed (image permutation)")
 
-    sp = add("export", _cmd_export, "Export a trained adapter with its manifest to a folder or s3://bucket/prefix.")
+    sp = add(
+        "export", _cmd_export, "Export a trained adapter with its manifest to a folder or s3://bucket/prefix."
+    )
     sp.add_argument("src", help="run directory or checkpoint directory")
     sp.add_argument("dest", help="destination folder or s3://bucket/prefix")
+    sp.add_argument(
+        "--allow-unservable",
+        action="store_true",
+        help="export even if vLLM cannot serve the adapter as trained (the problems are listed)",
+    )
 
-    sp = add("serve", _cmd_serve, "Serve a base model with LoRA adapters through vLLM's OpenAI-compatible server.")
+    sp = add(
+        "fetch", _cmd_fetch, "Download an exported adapter, verify it against its manifest, print its path."
+    )
+    sp.add_argument("src", help="exported adapter: folder or s3://bucket/prefix")
+    sp.add_argument("--cache-dir", default=None, help="local cache (default ~/.cache/visionrl/adapters)")
+
+    sp = add(
+        "serve", _cmd_serve, "Serve a base model with LoRA adapters through vLLM's OpenAI-compatible server."
+    )
     sp.add_argument("--base", required=True, help="base model directory")
-    sp.add_argument("--adapter", action="append", default=[], metavar="NAME=SRC", help="adapter to load (repeatable)")
+    sp.add_argument(
+        "--adapter", action="append", default=[], metavar="NAME=SRC", help="adapter to load (repeatable)"
+    )
     sp.add_argument("--host", default="127.0.0.1")
     sp.add_argument("--port", type=int, default=8000)
-    sp.add_argument("--vllm-arg", action="append", default=[], help="extra argument passed to vLLM (repeatable)")
+    sp.add_argument(
+        "--vllm-arg", action="append", default=[], help="extra argument passed to vLLM (repeatable)"
+    )
 
-    sp = add("init-tiny-model", _cmd_init_tiny_model, "Write a tiny Qwen3-VL checkpoint (for tests and the demo).")
+    sp = add(
+        "init-tiny-model", _cmd_init_tiny_model, "Write a tiny Qwen3-VL checkpoint (for tests and the demo)."
+    )
     sp.add_argument("dir")
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--no-pretrain", action="store_true", help="random weights only (no short pre-training)")

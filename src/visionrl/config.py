@@ -33,14 +33,19 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    path: str = Field(description="Base model: a Qwen3-VL checkpoint directory (or hub id where hubs are reachable).")
+    path: str = Field(
+        description="Base model: a Qwen3-VL checkpoint directory (or hub id where hubs are reachable)."
+    )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "bfloat16", description="Weights and compute dtype; use float32 on CPU (bf16 is 4-20x slower on AVX2)."
+        "bfloat16",
+        description="Weights and compute dtype; use float32 on CPU (bf16 is 4-20x slower on AVX2).",
     )
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
         "sdpa", description="Learner attention kernel."
     )
-    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward (saves memory).")
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in backward (saves memory)."
+    )
 
 
 class LoraConfig(_Section):
@@ -55,25 +60,36 @@ class LoraConfig(_Section):
         False,
         description="Also put LoRA on the vision->language merger (served by vLLM with tower/connector LoRA).",
     )
-    train_lm_head: bool = Field(False, description="Also put LoRA on lm_head (vLLM supports it as a LoRA target).")
+    train_lm_head: bool = Field(
+        False, description="Also put LoRA on lm_head (vLLM supports it as a LoRA target)."
+    )
     init_lora_weights: Literal["default", "gaussian"] = Field(
         "default", description="peft init of A (B is always zero, so step 0 equals the base model)."
     )
 
 
 class RewardConfig(_Section):
-    name: str = Field(description="A built-in reward (exact_match, choice, numeric, format, iou) or 'pkg.module:function'.")
+    name: str = Field(
+        description="A built-in reward (exact_match, choice, numeric, format, iou) or 'pkg.module:function'."
+    )
     weight: float = Field(1.0, description="Weight in the total reward (weighted sum).")
-    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the reward function.")
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments of the reward function."
+    )
 
 
 class DataConfig(_Section):
-    train: str = Field(description="Training data: JSONL or Parquet file (records with images, messages/prompt, answer).")
+    train: str = Field(
+        description="Training data: JSONL or Parquet file (records with images, messages/prompt, answer)."
+    )
     eval: str | None = Field(None, description="Held-out data for periodic evaluation (greedy decoding).")
     on_bad_image: Literal["error", "skip"] = Field(
-        "error", description="A missing or corrupt image: stop with an error, or skip the record and count it."
+        "error",
+        description="A missing or corrupt image: stop with an error, or skip the record and count it.",
     )
-    max_eval_samples: int | None = Field(None, ge=1, description="Evaluate on at most this many held-out records.")
+    max_eval_samples: int | None = Field(
+        None, ge=1, description="Evaluate on at most this many held-out records."
+    )
     balance_key: str | None = Field(
         None, description="Balance each batch of prompts over this record field (e.g. 'answer')."
     )
@@ -81,17 +97,28 @@ class DataConfig(_Section):
 
 
 class AlgorithmConfig(_Section):
-    group_size: int = Field(8, ge=2, description="Completions sampled per prompt (G); advantages are group-relative.")
+    group_size: int = Field(
+        8, ge=2, description="Completions sampled per prompt (G); advantages are group-relative."
+    )
     advantage_scale: Literal["std", "none"] = Field(
         "std", description="'std': GRPO (r-mean)/std; 'none': Dr. GRPO r-mean."
     )
     clip_low: float = Field(0.2, ge=0.0, lt=1.0, description="PPO ratio clip below 1 (1 - clip_low).")
-    clip_high: float = Field(0.2, ge=0.0, description="PPO ratio clip above 1 (1 + clip_high); DAPO clip-higher uses 0.28.")
-    dual_clip: float | None = Field(None, gt=1.0, description="Dual-clip constant c (>1) for negative advantages.")
-    loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"] = (
-        Field("token_mean", description="How per-token losses become one number (Dr. GRPO: seq_mean_token_sum_norm).")
+    clip_high: float = Field(
+        0.2, ge=0.0, description="PPO ratio clip above 1 (1 + clip_high); DAPO clip-higher uses 0.28."
     )
-    kl_coef: float = Field(0.0, ge=0.0, description="Weight of the KL penalty to the base model (adapter disabled).")
+    dual_clip: float | None = Field(
+        None, gt=1.0, description="Dual-clip constant c (>1) for negative advantages."
+    )
+    loss_aggregation: Literal[
+        "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"
+    ] = Field(
+        "token_mean",
+        description="How per-token losses become one number (Dr. GRPO: seq_mean_token_sum_norm).",
+    )
+    kl_coef: float = Field(
+        0.0, ge=0.0, description="Weight of the KL penalty to the base model (adapter disabled)."
+    )
     kl_kind: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator per token.")
     entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus weight (subtracted from the loss).")
     dynamic_sampling: bool = Field(
@@ -101,17 +128,25 @@ class AlgorithmConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    engine: Literal["vllm", "hf"] = Field("vllm", description="Rollout engine: vLLM (default) or transformers generate.")
-    prompts_per_step: int = Field(32, ge=1, description="Prompts per step; completions per step = prompts x group_size.")
+    engine: Literal["vllm", "hf"] = Field(
+        "vllm", description="Rollout engine: vLLM (default) or transformers generate."
+    )
+    prompts_per_step: int = Field(
+        32, ge=1, description="Prompts per step; completions per step = prompts x group_size."
+    )
     temperature: float = Field(1.0, gt=0.0, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling.")
     max_new_tokens: int = Field(256, ge=1, description="Maximum tokens per completion.")
     num_engines: int = Field(1, ge=1, description="Rollout engine actors (data-parallel).")
     gpus_per_engine: float = Field(0.0, ge=0.0, description="GPUs per engine actor (0 on CPU).")
-    gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0, description="vLLM: share of GPU memory for the engine.")
+    gpu_memory_utilization: float = Field(
+        0.5, gt=0.0, le=1.0, description="vLLM: share of GPU memory for the engine."
+    )
     max_model_len: int = Field(4096, ge=64, description="vLLM: longest prompt + completion.")
     enforce_eager: bool = Field(False, description="vLLM: no CUDA graphs (faster start, slower decode).")
-    kv_cache_gib: float = Field(1.0, gt=0.0, description="vLLM CPU: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE).")
+    kv_cache_gib: float = Field(
+        1.0, gt=0.0, description="vLLM CPU: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE)."
+    )
 
 
 class TrainConfig(_Section):
@@ -129,7 +164,9 @@ class TrainConfig(_Section):
         8192, ge=64, description="Token budget of one learner micro-batch (gradient accumulation above it)."
     )
     seed: int = Field(0, description="Seed of data order, sampling and LoRA init.")
-    torch_threads: int | None = Field(None, ge=1, description="Learner torch threads (CPU); default: torch's.")
+    torch_threads: int | None = Field(
+        None, ge=1, description="Learner torch threads (CPU); default: torch's."
+    )
     target_accuracy: float | None = Field(
         None, gt=0.0, le=1.0, description="Stop early after two consecutive evals at or above this accuracy."
     )
@@ -146,15 +183,19 @@ class LoggingConfig(_Section):
 
 class RayConfig(_Section):
     address: str | None = Field(
-        None, description="Attach to this Ray cluster ('auto' or host:port); default: RAY_ADDRESS or an embedded local Ray."
+        None,
+        description="Attach to this Ray cluster ('auto' or host:port); default: RAY_ADDRESS or an embedded local Ray.",
     )
     placement: Literal["colocated", "split"] = Field(
-        "colocated", description="colocated: learner and engines share GPUs; split: engines get their own GPUs."
+        "colocated",
+        description="colocated: learner and engines share GPUs; split: engines get their own GPUs.",
     )
     num_cpus: int | None = Field(None, ge=1, description="CPUs of the embedded local Ray (default: all).")
     learner_gpus: float = Field(0.0, ge=0.0, description="GPUs of the learner actor (0 on CPU).")
     num_reward_workers: int = Field(1, ge=1, description="Reward worker actors.")
-    reward_timeout_s: float = Field(10.0, gt=0.0, description="Per-sample reward timeout; over it scores 0, counted.")
+    reward_timeout_s: float = Field(
+        10.0, gt=0.0, description="Per-sample reward timeout; over it scores 0, counted."
+    )
 
 
 class JobConfig(_Section):
@@ -273,7 +314,9 @@ def _format_errors(err: ValidationError, source: str) -> str:
         key = ".".join(str(p) for p in e["loc"]) or "(top level)"
         kind = e["type"]
         if kind == "extra_forbidden":
-            lines.append(f"  - {key}: unknown key; check the spelling (run `visionrl validate --schema` for all keys)")
+            lines.append(
+                f"  - {key}: unknown key; check the spelling (run `visionrl validate --schema` for all keys)"
+            )
         elif kind == "missing":
             lines.append(f"  - {key}: required key is missing; add it to the job file")
         elif not e["loc"]:
@@ -309,7 +352,9 @@ def load_config(path: str | os.PathLike[str], overrides: list[str] | None = None
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{p}: the top level must be a mapping of sections (model:, data:, ...), got {type(data).__name__}")
+        raise ConfigError(
+            f"{p}: the top level must be a mapping of sections (model:, data:, ...), got {type(data).__name__}"
+        )
     data = apply_overrides(data, overrides or [])
     return config_from_dict(data, source=str(p))
 

@@ -56,22 +56,42 @@ def main(argv: list[str] | None = None) -> int:
         _say(f"2/5 data: {data} (exists)")
     for stale in ("tensorboard", "checkpoints", "adapter", "eval"):
         shutil.rmtree(run / stale, ignore_errors=True)
-    cfg = load_config(args.config, [f"output_dir={run}", f"model.path={base}", f"data.train={data / 'train.jsonl'}",
-                                     f"data.eval={data / 'eval.jsonl'}", *args.overrides])
-    _say(f"3/5 training: {cfg.rollout.prompts_per_step} prompts x {cfg.algorithm.group_size} completions per step, "
-         f"up to {cfg.train.steps} steps (stops early at {cfg.train.target_accuracy} held-out accuracy)")
+    cfg = load_config(
+        args.config,
+        [
+            f"output_dir={run}",
+            f"model.path={base}",
+            f"data.train={data / 'train.jsonl'}",
+            f"data.eval={data / 'eval.jsonl'}",
+            *args.overrides,
+        ],
+    )
+    _say(
+        f"3/5 training: {cfg.rollout.prompts_per_step} prompts x {cfg.algorithm.group_size} completions per step, "
+        f"up to {cfg.train.steps} steps (stops early at {cfg.train.target_accuracy} held-out accuracy)"
+    )
     t0 = time.perf_counter()
     result = train(cfg)
     train_min = (time.perf_counter() - t0) / 60
     _say("4/5 evaluating base model and trained adapter on the held-out set")
     ev = run / "eval"
-    common = {"data": str(data / "eval.jsonl"), "max_tokens": cfg.rollout.max_new_tokens,
-              "rewards": [r.name for r in cfg.rewards][:1]}
+    common = {
+        "data": str(data / "eval.jsonl"),
+        "max_tokens": cfg.rollout.max_new_tokens,
+        "rewards": [r.name for r in cfg.rewards][:1],
+    }
     reports = {
         "base": evaluate_local(base=str(base), adapter=None, out=str(ev / "base.json"), **common),
-        "final": evaluate_local(base=str(base), adapter=str(result.adapter_dir), out=str(ev / "final.json"), **common),
-        "final, images permuted": evaluate_local(base=str(base), adapter=str(result.adapter_dir),
-                                                 out=str(ev / "final_ablated.json"), ablate_images=True, **common),
+        "final": evaluate_local(
+            base=str(base), adapter=str(result.adapter_dir), out=str(ev / "final.json"), **common
+        ),
+        "final, images permuted": evaluate_local(
+            base=str(base),
+            adapter=str(result.adapter_dir),
+            out=str(ev / "final_ablated.json"),
+            ablate_images=True,
+            **common,
+        ),
     }
     picture = _answer_picture(data / "eval.jsonl", ev / "final.json", ev / "final_samples.png")
     total_min = (time.perf_counter() - t_start) / 60
@@ -87,19 +107,30 @@ def _answer_picture(data: Path, report: Path, out: Path) -> Path | None:
 
     samples = json.loads(report.read_text())["samples"][:12]
     ds = load_dataset(data, max_samples=len(samples))
-    cells = [RolloutSample(image=ds[i].images[0], question="What color is the shape?",
-                           completion=s.get("completion") or "", answer=str(s["answer"]),
-                           reward=1.0 if s["correct"] else 0.0) for i, s in enumerate(samples)]
+    cells = [
+        RolloutSample(
+            image=ds[i].images[0],
+            question="What color is the shape?",
+            completion=s.get("completion") or "",
+            answer=str(s["answer"]),
+            reward=1.0 if s["correct"] else 0.0,
+        )
+        for i, s in enumerate(samples)
+    ]
     render_rollout_grid(cells, cols=6, cell=128).save(out)
     return out
 
 
-def _summary(reports: dict, steps: int, train_min: float, total_min: float, run: Path, picture: Path | None) -> None:
+def _summary(
+    reports: dict, steps: int, train_min: float, total_min: float, run: Path, picture: Path | None
+) -> None:
     print()
     print(f"{'model':<26}{'held-out accuracy':>18}{'samples':>9}")
     for name, r in reports.items():
         print(f"{name:<26}{r['accuracy']:>18.3f}{r['num_samples']:>9}")
-    print(f"\nchance level 0.250 (4 colours); trained {steps} steps in {train_min:.1f} min, demo total {total_min:.1f} min")
+    print(
+        f"\nchance level 0.250 (4 colours); trained {steps} steps in {train_min:.1f} min, demo total {total_min:.1f} min"
+    )
     print(f"adapter:     {run / 'adapter'} (PEFT files + visionrl_manifest.json)")
     print(f"reports:     {run / 'eval'}/{{base,final,final_ablated}}.json (+ .md)")
     if picture:

@@ -8,7 +8,9 @@ way of producing answers shares one scoring and one report:
 - `score_generations(prompts, generations, reward_fn)`: backend-agnostic scoring of `Generation`s (what an
   endpoint evaluation produces from HTTP responses goes through here too);
 - `summarize(...)` and `write_report(...)`: the report JSON and its Markdown twin;
-- `evaluate_local(...)`: the whole local run (data, processor, engine, adapter, report).
+- `evaluate_local(...)`: the whole local run (data, processor, engine, adapter, report);
+- `evaluate_endpoint(...)`: the same report for a served model, through its OpenAI-compatible chat API
+  (`visionrl.endpoint_client` sends the requests).
 
 `ablate(prompts, seed)` permutes images across samples: if accuracy stays up without the right image, the
 model answers from the text alone.
@@ -18,19 +20,21 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import random
 import re
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
 from visionrl.errors import InputError
+from visionrl.eval_report import HEADLINE as HEADLINE
+from visionrl.eval_report import MARKDOWN_SAMPLES as MARKDOWN_SAMPLES
+from visionrl.eval_report import nearest_rank as nearest_rank
+from visionrl.eval_report import render_markdown as render_markdown
+from visionrl.eval_report import summarize, write_report
 from visionrl.rewards import CombinedReward, RewardSpec, build_reward_fn
 from visionrl.rollout.types import AdapterPayload, Completion, PromptItem, SamplingSpec
 
@@ -40,7 +44,6 @@ logger = logging.getLogger(__name__)
 # engine error after its own retry). Such a prompt becomes a failed record; other exceptions are bugs.
 GENERATION_ERRORS: tuple[type[Exception], ...] = (RuntimeError, ValueError)
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
-MARKDOWN_SAMPLES = 10  # samples shown in the Markdown twin (all of them are in the JSON)
 ENGINES = ("vllm", "hf")
 
 
@@ -176,120 +179,6 @@ def evaluate_prompts(
     for start in range(0, len(prompts), batch_size):
         generations.extend(_generate_batch(engine, prompts[start : start + batch_size], spec, clock))
     return score_generations(prompts, generations, reward_fn)
-
-
-# --------------------------------------------------------------------------- report
-
-
-def nearest_rank(values: Sequence[float], percent: int) -> float | None:
-    """The `percent`-th percentile by nearest rank: the ceil(percent/100 * n)-th smallest value (None if empty)."""
-    if not 0 < percent <= 100:
-        raise ValueError(f"percent must be in (0, 100], got {percent}")
-    if not values:
-        return None
-    ordered = sorted(values)
-    # percent * n is an exact integer, so the division is exact when the rank is whole (no 18.999... rounding).
-    return ordered[max(1, math.ceil(percent * len(ordered) / 100)) - 1]
-
-
-def summarize(
-    records: list[dict[str, Any]],
-    *,
-    model: str,
-    data: str,
-    started: float,
-    duration_s: float,
-    ablate_images: bool,
-    extra: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """The report: headline numbers, settings and the per-sample `records` (under `samples`).
-
-    A sample failed when its request or generation raised (`error` set); a wrong answer is not a failure.
-    `accuracy` = correct / (num_samples - num_failed), 0.0 when every sample failed; `mean_reward` and the
-    nearest-rank latency percentiles are over the samples that did not fail (None when none did).
-    `tokens_per_s` = tokens generated / `duration_s` (the wall time of generating and scoring).
-    `started` is a Unix time; `created` is it in ISO 8601 (UTC). `extra` adds fields (engine, adapter, ...).
-    """
-    done = [r for r in records if r["error"] is None]
-    num_failed = len(records) - len(done)
-    num_correct = sum(bool(r["correct"]) for r in done)
-    latencies = [float(r["latency_ms"]) for r in done]
-    num_tokens = sum(int(r["num_tokens"]) for r in done)
-    report: dict[str, Any] = {
-        "model": model,
-        "data": data,
-        "ablate_images": ablate_images,
-        "created": datetime.fromtimestamp(started, UTC).isoformat(timespec="seconds"),
-        "num_samples": len(records),
-        "num_failed": num_failed,
-        "num_correct": num_correct,
-        "accuracy": num_correct / len(done) if done else 0.0,
-        "mean_reward": sum(float(r["reward"]) for r in done) / len(done) if done else None,
-        "latency_ms_p50": nearest_rank(latencies, 50),
-        "latency_ms_p95": nearest_rank(latencies, 95),
-        "num_tokens": num_tokens,
-        "tokens_per_s": num_tokens / duration_s if duration_s > 0 else None,
-        "duration_s": duration_s,
-    }
-    report.update(extra or {})
-    report["samples"] = records
-    return report
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    # Write beside the target and rename: a reader never sees half a report, even if we are killed.
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def _cell(value: Any, width: int = 60) -> str:
-    """A Markdown table cell: None as '-', floats to 3 decimals, no pipes or line breaks, cut to `width`."""
-    if value is None:
-        return "-"
-    text = f"{value:.3f}" if isinstance(value, float) else str(value)
-    text = text.replace("|", "\\|").replace("\r", " ").replace("\n", " ")
-    return text if len(text) <= width else text[: width - 3] + "..."
-
-
-HEADLINE = (
-    "model", "data", "accuracy", "num_samples", "num_failed", "mean_reward",
-    "latency_ms_p50", "latency_ms_p95", "tokens_per_s", "ablate_images", "created",
-)  # fmt: skip
-
-
-def render_markdown(report: dict[str, Any]) -> str:
-    """A short human-readable twin of the report: headline numbers and the first samples."""
-    lines = ["# visionrl evaluation", "", "| metric | value |", "| --- | --- |"]
-    lines += [f"| {key} | {_cell(report.get(key), 200)} |" for key in HEADLINE]
-    samples = report.get("samples", [])
-    shown = samples[:MARKDOWN_SAMPLES]
-    lines += ["", f"## First {len(shown)} of {len(samples)} samples", ""]
-    lines += [
-        "| id | answer | completion | reward | correct | error |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
-    for r in shown:
-        cells = [r["id"], r["answer"], r["completion"], r["reward"], r["correct"], r["error"]]
-        lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def write_report(report: dict[str, Any], out: str | Path) -> None:
-    """Write `report` as JSON at `out` and as Markdown at `out` with the suffix `.md`; both atomically."""
-    path = Path(out)
-    if path.suffix.lower() == ".md":
-        raise InputError(
-            f"report path '{path}' ends in .md, which is the Markdown twin's name; use e.g. .json"
-        )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write(path, json.dumps(report, indent=2, ensure_ascii=False, default=str) + "\n")
-    _atomic_write(path.with_suffix(".md"), render_markdown(report))
 
 
 # --------------------------------------------------------------------------- image ablation
@@ -476,5 +365,86 @@ def evaluate_local(
         ablate_images=ablate_images,
         extra=extra,
     )
+    write_report(report, out)
+    return report
+
+
+# --------------------------------------------------------------------------- served evaluation
+
+
+def _forbidden_token_ids(base: str) -> list[int]:
+    from transformers import AutoConfig
+
+    from visionrl.models.loader import check_model_dir, load_processor, vision_token_ids
+
+    check_model_dir(base)
+    return vision_token_ids(AutoConfig.from_pretrained(base), load_processor(base))
+
+
+def evaluate_endpoint(
+    endpoint: str,
+    model: str | None,
+    data: str,
+    out: str,
+    concurrency: int = 8,
+    ablate_images: bool = False,
+    max_samples: int | None = None,
+    max_tokens: int = 32,
+    rewards: list[str] | None = None,
+    timeout_s: float = 60.0,
+    *,
+    seed: int = 0,
+    base: str | None = None,
+    max_retries: int = 2,
+) -> dict[str, Any]:
+    """Evaluate the model or adapter `model` served at `endpoint` (OpenAI base URL) on `data`; write and
+    return the report, in the format of `evaluate_local`.
+
+    The chat messages are the data's, with every image sent as a base64 PNG; answers are greedy. A failed
+    request counts in `num_failed` with its error (see `visionrl.endpoint_client.request_answers`). `base`
+    (optional), the served base model's directory, forbids its vision tokens as local evaluation does.
+    """
+    from visionrl.data.dataset import load_dataset
+    from visionrl.data.prompts import prompt_messages
+    from visionrl.endpoint_client import chat_messages, request_answers
+
+    if not model:
+        raise InputError("served evaluation needs --model NAME: an adapter or base model name the endpoint "
+                         "lists (GET /v1/models)")  # fmt: skip
+    if concurrency < 1:
+        raise InputError(f"concurrency must be >= 1, got {concurrency}")
+    if not os.path.isfile(data):
+        raise InputError(f"data file '{data}' not found; pass a JSONL or Parquet file of evaluation records")
+    forbidden = _forbidden_token_ids(base) if base else []
+    reward_names = list(rewards or ["exact_match"])
+    reward_fn = build_reward_fn([RewardSpec(name) for name in reward_names])
+    samples = list(load_dataset(data, max_samples=max_samples))
+    # The server applies the chat template; the prompt text stays empty here.
+    prompts = [PromptItem("", list(s.images), s.answer, dict(s.record), s.id) for s in samples]
+    if ablate_images:
+        prompts = ablate(prompts, seed)
+    requests = [chat_messages(prompt_messages(s), p.images) for s, p in zip(samples, prompts, strict=True)]
+    try:
+        started, t0 = time.time(), time.perf_counter()
+        generations = request_answers(
+            endpoint,
+            model,
+            requests,
+            max_tokens=max_tokens,
+            concurrency=concurrency,
+            timeout_s=timeout_s,
+            max_retries=max_retries,
+            forbidden_token_ids=forbidden,
+        )
+        records = score_generations(prompts, generations, reward_fn)
+        duration_s = time.perf_counter() - t0
+    finally:
+        reward_fn.close()
+    extra = {
+        "endpoint": endpoint, "served_model": model, "base": base, "engine": "endpoint", "rewards": reward_names,
+        "max_tokens": max_tokens, "seed": seed, "concurrency": concurrency, "timeout_s": timeout_s,
+    }  # fmt: skip
+    report = summarize(records, model=f"{model} @ {endpoint}", data=data, started=started, duration_s=duration_s,
+                       ablate_images=ablate_images, extra=extra)  # fmt: skip
     write_report(report, out)
     return report

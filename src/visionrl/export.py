@@ -28,6 +28,8 @@ from visionrl.checkpoint import ADAPTER_DIR, CHECKPOINTS_DIR, latest_checkpoint,
 from visionrl.checkpoint import MANIFEST as CHECKPOINT_MANIFEST
 from visionrl.errors import InputError
 from visionrl.servable import check_servable
+from visionrl.storage import filesystem
+from visionrl.storage import is_local as _is_local
 
 MANIFEST_NAME = "visionrl_manifest.json"
 FORMAT_VERSION = 1
@@ -258,11 +260,6 @@ def _run_context(
     return str(base_model), job_config, eval_results
 
 
-def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
-    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
-    return "file" in protocols
-
-
 def _join(root: str, name: str) -> str:
     return f"{root.rstrip('/')}/{name}"
 
@@ -335,7 +332,7 @@ def export_adapter(
             + "\nchange that and retrain, or export anyway with allow_unservable=True"
         )
 
-    fs, root = fsspec.core.url_to_fs(os.fspath(dest))
+    fs, root = filesystem(dest)
     fs.makedirs(root, exist_ok=True)
     manifest_path = _join(root, MANIFEST_NAME)
     if fs.exists(manifest_path):
@@ -356,20 +353,24 @@ def export_adapter(
     return manifest
 
 
-def verify_adapter(src: str | os.PathLike[str]) -> dict[str, Any]:
-    """Check an exported adapter (folder or URL) against its manifest; returns the manifest.
+def read_manifest(
+    fs: fsspec.AbstractFileSystem, root: str, src: str | os.PathLike[str]
+) -> tuple[dict[str, Any], bytes]:
+    """(manifest, its raw bytes) of the export at `root` in `fs`; `src` names it in error messages.
 
-    Raises ExportError if the manifest is missing or unreadable, or a file is missing or differs.
+    Raises ExportError if the manifest is missing (the export is not complete: the manifest is written
+    last), unreadable, of another format version, or lists no adapter config or a file name that is not a
+    plain name in the export folder (a reader writes the files under these names).
     """
-    fs, root = fsspec.core.url_to_fs(os.fspath(src))
     manifest_path = _join(root, MANIFEST_NAME)
     if not fs.exists(manifest_path):
         raise ExportError(
-            f"{src} has no {MANIFEST_NAME}: it is not an exported adapter, or its export did not finish; "
-            "(re-)export it with `visionrl export`"
+            f"{src} has no {MANIFEST_NAME}: it is not a complete export (not an exported adapter, or its "
+            "export did not finish); (re-)export it with `visionrl export`"
         )
+    raw = fs.cat_file(manifest_path)
     try:
-        manifest = json.loads(fs.cat_file(manifest_path))
+        manifest = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ExportError(f"{manifest_path} is not valid JSON ({err}); re-export the adapter") from None
     if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
@@ -378,10 +379,28 @@ def verify_adapter(src: str | os.PathLike[str]) -> dict[str, Any]:
             f"{manifest_path} has format_version {version!r}; this visionrl reads version {FORMAT_VERSION}: "
             "re-export the adapter with this version"
         )
-    if not isinstance(manifest.get("files"), dict) or ADAPTER_CONFIG not in manifest["files"]:
+    files = manifest.get("files")
+    if not isinstance(files, dict) or ADAPTER_CONFIG not in files:
         raise ExportError(
             f"{manifest_path} lists no {ADAPTER_CONFIG}: the manifest is damaged; re-export the adapter"
         )
+    for name, entry in files.items():
+        plain = name not in ("", ".", "..") and "/" not in name and "\\" not in name
+        if not plain or not isinstance(entry, dict) or not {"sha256", "bytes"} <= set(entry):
+            raise ExportError(
+                f"{manifest_path} has a bad entry for file {name!r} (a plain file name with sha256 and bytes "
+                "is expected): the manifest is damaged; re-export the adapter"
+            )
+    return manifest, raw
+
+
+def verify_adapter(src: str | os.PathLike[str]) -> dict[str, Any]:
+    """Check an exported adapter (folder or URL) against its manifest; returns the manifest.
+
+    Raises ExportError if the manifest is missing or unreadable, or a file is missing or differs.
+    """
+    fs, root = filesystem(src)
+    manifest, _ = read_manifest(fs, root, src)
     bad = _first_bad_file(fs, root, manifest["files"])
     if bad is not None:
         raise ExportError(

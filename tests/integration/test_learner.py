@@ -35,15 +35,32 @@ def _batch(learner: Learner, data: Path) -> TrainBatch:
     prompts = [build_prompt(ds[i], learner.processor) for i in range(3)]
     # Hand-made completions of different lengths (1 to 4 tokens), two per prompt, advantages +-1.
     vocab = learner.processor.tokenizer.get_vocab()
-    words = [["red", "<|im_end|>"], ["blue"], ["green", "shape", "?", "<|im_end|>"], ["yellow", "<|im_end|>"],
-             ["left", "right", "top"], ["one", "<|im_end|>"]]
-    seqs = [Sequence(prompt=i // 2, completion_ids=[vocab[w] for w in ws], advantage=1.0 if i % 2 == 0 else -1.0,
-                     sampling_logprobs=[0.0] * len(ws)) for i, ws in enumerate(words)]
+    words = [
+        ["red", "<|im_end|>"],
+        ["blue"],
+        ["green", "shape", "?", "<|im_end|>"],
+        ["yellow", "<|im_end|>"],
+        ["left", "right", "top"],
+        ["one", "<|im_end|>"],
+    ]
+    seqs = [
+        Sequence(
+            prompt=i // 2,
+            completion_ids=[vocab[w] for w in ws],
+            advantage=1.0 if i % 2 == 0 else -1.0,
+            sampling_logprobs=[0.0] * len(ws),
+        )
+        for i, ws in enumerate(words)
+    ]
     return TrainBatch(prompts, seqs)
 
 
 def _grads(learner: Learner) -> dict[str, torch.Tensor]:
-    return {n: p.grad.clone() for n, p in learner.model.named_parameters() if p.requires_grad and p.grad is not None}
+    return {
+        n: p.grad.clone()
+        for n, p in learner.model.named_parameters()
+        if p.requires_grad and p.grad is not None
+    }
 
 
 @pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
@@ -82,7 +99,9 @@ def test_logprobs_do_not_depend_on_padding_or_batch_company(tiny_model: Path, co
     assert all(-50 < lp < 0 for row in together for lp in row)
 
 
-def test_update_raises_the_probability_of_positive_advantage_tokens(tiny_model: Path, color_data: Path) -> None:
+def test_update_raises_the_probability_of_positive_advantage_tokens(
+    tiny_model: Path, color_data: Path
+) -> None:
     learner = Learner(_cfg(tiny_model, color_data), device="cpu")
     batch = _batch(learner, color_data)
     before = learner.logprobs(batch)

@@ -23,8 +23,12 @@ def _cfg(model: Path, data: Path, out: Path, **over: dict) -> JobConfig:
     raw = {
         "output_dir": str(out),
         "model": {"path": str(model), "dtype": "float32"},
-        "data": {"train": str(data / "train.jsonl"), "eval": str(data / "eval.jsonl"), "balance_key": "answer",
-                 "max_eval_samples": 32},
+        "data": {
+            "train": str(data / "train.jsonl"),
+            "eval": str(data / "eval.jsonl"),
+            "balance_key": "answer",
+            "max_eval_samples": 32,
+        },
         "rewards": [{"name": "exact_match", "kwargs": {"first_word": True}}],
         "lora": {"rank": 16, "alpha": 16, "train_merger": True, "train_lm_head": True},
         "algorithm": {"group_size": 8},
@@ -44,8 +48,14 @@ def engine_and_learner(tiny_model: Path, color_data: Path, tmp_path_factory: pyt
 
     cfg = _cfg(tiny_model, color_data, tmp_path_factory.mktemp("run"), rollout={"temperature": 1.0})
     learner = Learner(cfg, device="cpu")
-    engine = VLLMEngine(str(tiny_model), lora_rank=16, tower_lora=True, forbidden_token_ids=learner.forbidden.tolist(),
-                        dtype="float32", max_model_len=256)
+    engine = VLLMEngine(
+        str(tiny_model),
+        lora_rank=16,
+        tower_lora=True,
+        forbidden_token_ids=learner.forbidden.tolist(),
+        dtype="float32",
+        max_model_len=256,
+    )
     ds = load_dataset(color_data / "eval.jsonl")
     prompts = [build_prompt(ds[i], learner.processor) for i in range(8)]
     yield engine, learner, prompts
@@ -80,18 +90,26 @@ def test_learner_logprobs_match_vllm_sampling_logprobs(engine_and_learner) -> No
     if engine.adapter_version() == 0:
         engine.load_adapter(learner.adapter_payload())
     groups = engine.generate(prompts, SamplingSpec(n=4, temperature=1.0, max_tokens=4))
-    seqs = [Sequence(prompt=i, completion_ids=c.token_ids, advantage=0.0, sampling_logprobs=c.logprobs)
-            for i, g in enumerate(groups) for c in g]
+    seqs = [
+        Sequence(prompt=i, completion_ids=c.token_ids, advantage=0.0, sampling_logprobs=c.logprobs)
+        for i, g in enumerate(groups)
+        for c in g
+    ]
     ours = learner.logprobs(TrainBatch(prompts, seqs))
-    diffs = [abs(a - b) for s, row in zip(seqs, ours, strict=True) for a, b in zip(row, s.sampling_logprobs, strict=True)]
+    diffs = [
+        abs(a - b)
+        for s, row in zip(seqs, ours, strict=True)
+        for a, b in zip(row, s.sampling_logprobs, strict=True)
+    ]
     assert len(diffs) >= 32
     assert max(diffs) < 1e-3, f"max |learner - vLLM| log-prob difference {max(diffs):.2e}"
     vision = set(learner.forbidden.tolist())
     assert not any(t in vision for s in seqs for t in s.completion_ids)
 
 
-def test_two_steps_through_ray_write_the_tensorboard_tags_and_resume(tiny_model: Path, color_data: Path,
-                                                                    tmp_path: Path) -> None:
+def test_two_steps_through_ray_write_the_tensorboard_tags_and_resume(
+    tiny_model: Path, color_data: Path, tmp_path: Path
+) -> None:
     from visionrl.orchestrate.loop import train
 
     cfg = _cfg(tiny_model, color_data, tmp_path / "run")
@@ -105,7 +123,10 @@ def test_two_steps_through_ray_write_the_tensorboard_tags_and_resume(tiny_model:
     assert 0.0 <= scalars["eval/accuracy"][-1][1] <= 1.0
     assert all(h in tags["histograms"] for h in REQUIRED_HISTOGRAMS)
     assert any(t.startswith("samples/") for t in tags["images"])
-    assert scalars["rollout/adapter_version"] == [(1, 0.0), (2, 1.0)]  # step 2 sampled with the adapter of step 1
+    assert scalars["rollout/adapter_version"] == [
+        (1, 0.0),
+        (2, 1.0),
+    ]  # step 2 sampled with the adapter of step 1
     assert scalars["rollout/logprob_diff"][-1][1] < 1e-3
     adapter = result.adapter_dir
     manifest = json.loads((adapter / "visionrl_manifest.json").read_text())
@@ -121,11 +142,34 @@ def test_mean_reward_rises(pretrained_tiny_model: Path, color_data: Path, tmp_pa
     """From the chance-level base (0.25), a short GRPO run on the colour task must raise the mean reward."""
     from visionrl.orchestrate.loop import train
 
-    cfg = _cfg(pretrained_tiny_model, color_data, tmp_path / "run",
-               rollout={"prompts_per_step": 32}, train={"steps": 45},
-               logging={"eval_every": 100, "save_every": 100, "images_every": 100})
+    cfg = _cfg(
+        pretrained_tiny_model,
+        color_data,
+        tmp_path / "run",
+        rollout={"prompts_per_step": 32},
+        train={"steps": 45},
+        logging={"eval_every": 100, "save_every": 100, "images_every": 100},
+    )
     history = train(cfg).history
     first = sum(h["reward/mean"] for h in history[:5]) / 5
     last = sum(h["reward/mean"] for h in history[-5:]) / 5
     assert first < 0.35, f"the base should start near chance (0.25), got {first:.2f}"
     assert last > first + 0.1, f"mean reward did not rise: first 5 steps {first:.2f}, last 5 steps {last:.2f}"
+
+
+def test_hf_engine_behind_the_same_protocol(tiny_model: Path, color_data: Path, tmp_path: Path) -> None:
+    """`rollout.engine: hf` runs the same loop (transformers generate), adapter sync included."""
+    from visionrl.orchestrate.loop import train
+
+    cfg = _cfg(
+        tiny_model,
+        color_data,
+        tmp_path / "run",
+        rollout={"engine": "hf", "prompts_per_step": 4},
+        data={"max_eval_samples": 8},
+    )
+    result = train(cfg)
+    assert [h["rollout/adapter_version"] for h in result.history] == [0.0, 1.0]
+    # HF generate reports the processed (sampling) log-probs too: the learner agrees with them.
+    assert all(h["rollout/logprob_diff"] < 1e-3 for h in result.history)
+    assert (result.adapter_dir / "adapter_model.safetensors").is_file()

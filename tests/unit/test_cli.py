@@ -103,7 +103,9 @@ def test_validate_the_production_job_file(capsys: pytest.CaptureFixture[str]) ->
 def test_validate_schema_lists_the_sections(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["validate", "--schema"]) == 0
     schema = json.loads(capsys.readouterr().out)
-    assert {"model", "lora", "data", "rewards", "algorithm", "rollout", "train", "ray"} <= set(schema["properties"])
+    assert {"model", "lora", "data", "rewards", "algorithm", "rollout", "train", "ray"} <= set(
+        schema["properties"]
+    )
 
 
 def test_validate_without_a_file_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
@@ -130,13 +132,17 @@ def test_make_data_writes_the_files(tmp_path: Path, capsys: pytest.CaptureFixtur
     for record in train + evals:
         assert record["answer"] in {"1", "2", "3", "4"}
         assert (out_dir / record["images"][0]).is_file()
-    assert sorted(p.name for p in (out_dir / "images" / "eval").iterdir()) == [f"{i:05d}.png" for i in range(4)]
+    assert sorted(p.name for p in (out_dir / "images" / "eval").iterdir()) == [
+        f"{i:05d}.png" for i in range(4)
+    ]
     printed = capsys.readouterr().out
     assert "train: 8 records" in printed and "eval: 4 records" in printed
 
 
 def test_make_data_unknown_task_exits_2_with_the_choices(tmp_path: Path) -> None:
-    result = visionrl("make-data", str(tmp_path / "d"), "--task", "shade", "--num-train", "2", "--num-eval", "1")
+    result = visionrl(
+        "make-data", str(tmp_path / "d"), "--task", "shade", "--num-train", "2", "--num-eval", "1"
+    )
     assert result.returncode == 2
     assert "unknown synthetic task 'shade'" in result.stderr
     assert "color, count, position, sides" in result.stderr

@@ -140,8 +140,12 @@ def test_wrong_type_names_the_key_and_the_value(override: str, key: str, got: st
 
 @pytest.mark.parametrize(
     ("override", "key"),
-    [("algorithm.group_size=1", "algorithm.group_size"), ("rollout.top_p=1.5", "rollout.top_p"),
-     ("lora.rank=0", "lora.rank"), ("algorithm.dual_clip=1.0", "algorithm.dual_clip")],
+    [
+        ("algorithm.group_size=1", "algorithm.group_size"),
+        ("rollout.top_p=1.5", "rollout.top_p"),
+        ("lora.rank=0", "lora.rank"),
+        ("algorithm.dual_clip=1.0", "algorithm.dual_clip"),
+    ],
 )
 def test_out_of_range_values_name_the_key(override: str, key: str) -> None:
     assert f"  - {key}: " in config_error(MINIMAL, [override])
@@ -168,9 +172,14 @@ def test_updates_per_batch_that_does_not_divide_the_completions() -> None:
 def test_updates_per_batch_must_keep_groups_whole() -> None:
     # 256 completions / 64 updates = 4 completions per update: half a group of 8.
     message = config_error(MINIMAL, ["rollout.prompts_per_step=32", "algorithm.updates_per_batch=64"])
-    assert "whole groups" in message and "rollout.prompts_per_step must be divisible by algorithm.updates_per_batch" in message
+    assert (
+        "whole groups" in message
+        and "rollout.prompts_per_step must be divisible by algorithm.updates_per_batch" in message
+    )
     # A divisor of prompts_per_step is fine.
-    cfg = config_from_dict(apply_overrides(MINIMAL, ["rollout.prompts_per_step=32", "algorithm.updates_per_batch=4"]))
+    cfg = config_from_dict(
+        apply_overrides(MINIMAL, ["rollout.prompts_per_step=32", "algorithm.updates_per_batch=4"])
+    )
     assert cfg.algorithm.updates_per_batch == 4
 
 
@@ -178,7 +187,9 @@ def test_max_new_tokens_must_leave_room_for_the_prompt() -> None:
     message = config_error(MINIMAL, ["rollout.max_model_len=512", "rollout.max_new_tokens=512"])
     assert "rollout.max_new_tokens=512" in message and "rollout.max_model_len=512" in message
     assert "raise max_model_len or lower max_new_tokens" in message
-    cfg = config_from_dict(apply_overrides(MINIMAL, ["rollout.max_model_len=512", "rollout.max_new_tokens=511"]))
+    cfg = config_from_dict(
+        apply_overrides(MINIMAL, ["rollout.max_model_len=512", "rollout.max_new_tokens=511"])
+    )
     assert cfg.rollout.max_new_tokens == 511
 
 
@@ -275,7 +286,9 @@ def test_load_config_applies_overrides_and_names_the_file(tmp_path: Path) -> Non
 def test_malformed_yaml_reports_the_line(tmp_path: Path) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text("output_dir: x\nmodel:\n  path: m\n  dtype: [float32\ndata:\n  train: t\n")
-    with pytest.raises(ConfigError, match=r"bad\.yaml: not valid YAML at line 5, column \d+: .*fix the syntax"):
+    with pytest.raises(
+        ConfigError, match=r"bad\.yaml: not valid YAML at line 5, column \d+: .*fix the syntax"
+    ):
         load_config(path)
 
 
@@ -289,7 +302,9 @@ def test_bad_indentation_reports_the_line(tmp_path: Path) -> None:
 def test_duplicate_key_is_an_error_with_its_line(tmp_path: Path) -> None:
     # PyYAML alone would keep the second `train:` and silently drop the first one's steps.
     path = tmp_path / "dup.yaml"
-    path.write_text(yaml.safe_dump(MINIMAL) + "train:\n  steps: 5\nlogging:\n  log_every: 2\ntrain:\n  lr: 0.1\n")
+    path.write_text(
+        yaml.safe_dump(MINIMAL) + "train:\n  steps: 5\nlogging:\n  log_every: 2\ntrain:\n  lr: 0.1\n"
+    )
     text = path.read_text().splitlines()
     line = len(text) - 1  # the second `train:`
     assert text[line - 1] == "train:"
@@ -300,7 +315,9 @@ def test_duplicate_key_is_an_error_with_its_line(tmp_path: Path) -> None:
 def test_yaml_merge_key_then_an_explicit_key_is_not_a_duplicate(tmp_path: Path) -> None:
     # `<<:` merges a mapping; a key written next to it overrides the merged one (YAML rule).
     path = tmp_path / "merge.yaml"
-    path.write_text(yaml.safe_dump(MINIMAL) + "rollout:\n  <<: {temperature: 0.5, top_p: 0.9}\n  temperature: 0.7\n")
+    path.write_text(
+        yaml.safe_dump(MINIMAL) + "rollout:\n  <<: {temperature: 0.5, top_p: 0.9}\n  temperature: 0.7\n"
+    )
     cfg = load_config(path)
     assert (cfg.rollout.temperature, cfg.rollout.top_p) == (0.7, 0.9)
 

@@ -21,4 +21,6 @@ def build_prompt(sample: Sample, processor: Any, system_prompt: str | None = Non
         prompt_messages(sample, system_prompt), add_generation_prompt=True, tokenize=False
     )
     record = dict(sample.record)
-    return PromptItem(text=text, images=list(sample.images), answer=sample.answer, record=record, sample_id=sample.id)
+    return PromptItem(
+        text=text, images=list(sample.images), answer=sample.answer, record=record, sample_id=sample.id
+    )

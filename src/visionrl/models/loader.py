@@ -7,6 +7,7 @@ The same code takes the tiny test model and Qwen3-VL-8B-Instruct: both are plain
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,7 +40,9 @@ def check_model_dir(path: str | Path) -> dict[str, Any]:
     try:
         config = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as err:
-        raise ModelLoadError(f"{cfg_path} is not valid JSON ({err}); re-download or re-create the checkpoint") from None
+        raise ModelLoadError(
+            f"{cfg_path} is not valid JSON ({err}); re-download or re-create the checkpoint"
+        ) from None
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ModelLoadError(
@@ -62,7 +65,10 @@ def load_processor(path: str | Path) -> ProcessorMixin:
 
 
 def load_base_model(
-    path: str | Path, dtype: str = "float32", device: str | torch.device = "cpu", attn_implementation: str = "sdpa"
+    path: str | Path,
+    dtype: str = "float32",
+    device: str | torch.device = "cpu",
+    attn_implementation: str = "sdpa",
 ) -> PreTrainedModel:
     """The base VLM, in eval mode, with frozen weights."""
     from transformers import AutoModelForImageTextToText
@@ -97,23 +103,24 @@ def apply_lora(model: PreTrainedModel, cfg: LoraConfig, seed: int = 0) -> Any:
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
+    targets = lora_target_regex(cfg)
+    # Checked here (peft full-matches the same regex) so that the user gets an InputError naming the config
+    # key, not peft's own error.
+    if not any(re.fullmatch(targets, name) for name, _ in model.named_modules()):
+        raise InputError(
+            f"lora.target_modules={cfg.target_modules!r} matched no module of the model; "
+            f"the default {LM_PROJECTIONS!r} targets the language model's projections"
+        )
     torch.manual_seed(seed)
     peft_cfg = PeftLoraConfig(
         r=cfg.rank,
         lora_alpha=cfg.alpha,
         lora_dropout=cfg.dropout,
-        target_modules=lora_target_regex(cfg),
+        target_modules=targets,
         init_lora_weights=True if cfg.init_lora_weights == "default" else "gaussian",
         bias="none",
     )
-    peft_model = get_peft_model(model, peft_cfg)
-    n = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
-    if n == 0:
-        raise InputError(
-            f"lora.target_modules={cfg.target_modules!r} matched no module of the model; "
-            f"the default {LM_PROJECTIONS!r} targets the language model's projections"
-        )
-    return peft_model
+    return get_peft_model(model, peft_cfg)
 
 
 def lora_param_groups(model: Any, lr: float, merger_lr: float | None, lm_head_lr: float | None) -> list[dict]:

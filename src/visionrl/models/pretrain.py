@@ -68,28 +68,42 @@ def pretrain_tiny(
         messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
         text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         enc = processor(text=[text], images=[image], return_tensors="pt")
-        encoded.append(EncodedPrompt(enc["input_ids"][0], enc["mm_token_type_ids"][0], enc["pixel_values"],
-                                     enc["image_grid_thw"]))
+        encoded.append(
+            EncodedPrompt(
+                enc["input_ids"][0], enc["mm_token_type_ids"][0], enc["pixel_values"], enc["image_grid_thw"]
+            )
+        )
         targets.append([*tok.encode(answer, add_special_tokens=False), end_id])
     model.train()
     model.requires_grad_(True)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.05, 1 - s / steps))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / 20) * max(0.05, 1 - s / steps)
+    )
     loss_value = float("nan")
     pad = tok.pad_token_id or 0
-    for step in range(steps):
+    for _ in range(steps):
         rows = [rng.randrange(len(data)) for _ in range(batch_size)]
-        seqs = [Sequence(prompt=r, completion_ids=targets[r], advantage=0.0, sampling_logprobs=[0.0] * len(targets[r]))
-                for r in rows]
+        seqs = [
+            Sequence(
+                prompt=r, completion_ids=targets[r], advantage=0.0, sampling_logprobs=[0.0] * len(targets[r])
+            )
+            for r in rows
+        ]
         mb = collate(encoded, seqs, list(range(len(seqs))), pad)
         T = mb.completion_ids.shape[1]
         logits = model(
-            input_ids=mb.input_ids, attention_mask=mb.attention_mask, mm_token_type_ids=mb.mm_token_type_ids,
-            pixel_values=mb.pixel_values, image_grid_thw=mb.image_grid_thw, use_cache=False,
+            input_ids=mb.input_ids,
+            attention_mask=mb.attention_mask,
+            mm_token_type_ids=mb.mm_token_type_ids,
+            pixel_values=mb.pixel_values,
+            image_grid_thw=mb.image_grid_thw,
+            use_cache=False,
             logits_to_keep=torch.arange(mb.prompt_len - 1, mb.prompt_len - 1 + T),
         ).logits.float()
-        nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), mb.completion_ids.reshape(-1),
-                                                reduction="none").reshape(mb.completion_ids.shape)
+        nll = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), mb.completion_ids.reshape(-1), reduction="none"
+        ).reshape(mb.completion_ids.shape)
         loss = (nll * mb.completion_mask).sum() / mb.completion_mask.sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()

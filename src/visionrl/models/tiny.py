@@ -126,8 +126,12 @@ def train_tokenizer(words: list[str], out_dir: Path) -> dict[str, int]:
         unk_token="<unk>",
         pad_token="<|endoftext|>",
         eos_token="<|im_end|>",
-        extra_special_tokens={"image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
-                              "vision_start_token": "<|vision_start|>", "vision_end_token": "<|vision_end|>"},
+        extra_special_tokens={
+            "image_token": "<|image_pad|>",
+            "video_token": "<|video_pad|>",
+            "vision_start_token": "<|vision_start|>",
+            "vision_end_token": "<|vision_end|>",
+        },
         model_max_length=4096,
         padding_side="left",
     )
@@ -167,18 +171,29 @@ def build_tiny_model(
     model = Qwen3VLForConditionalGeneration(config).to(torch.float32).eval()
 
     image_processor = Qwen2VLImageProcessor(
-        patch_size=16, merge_size=2, temporal_patch_size=2,
-        image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
-        min_pixels=32 * 32, max_pixels=448 * 448, size={"shortest_edge": 32 * 32, "longest_edge": 448 * 448},
+        patch_size=16,
+        merge_size=2,
+        temporal_patch_size=2,
+        image_mean=[0.5, 0.5, 0.5],
+        image_std=[0.5, 0.5, 0.5],
+        min_pixels=32 * 32,
+        max_pixels=448 * 448,
+        size={"shortest_edge": 32 * 32, "longest_edge": 448 * 448},
     )
     video_processor = Qwen3VLVideoProcessor(
-        patch_size=16, merge_size=2, temporal_patch_size=2, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
+        patch_size=16,
+        merge_size=2,
+        temporal_patch_size=2,
+        image_mean=[0.5, 0.5, 0.5],
+        image_std=[0.5, 0.5, 0.5],
     )
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(out)
     processor = Qwen3VLProcessor(
-        image_processor=image_processor, tokenizer=tokenizer, video_processor=video_processor,
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        video_processor=video_processor,
         chat_template=CHAT_TEMPLATE,
     )
     processor.save_pretrained(out)
@@ -190,7 +205,10 @@ def build_tiny_model(
         info.update(pretrain_steps=report.steps, pretrain_final_loss=round(report.final_loss, 4))
     model.save_pretrained(out, safe_serialization=True)
     GenerationConfig(
-        eos_token_id=vocab["<|im_end|>"], pad_token_id=vocab["<|endoftext|>"], do_sample=True, temperature=1.0,
+        eos_token_id=vocab["<|im_end|>"],
+        pad_token_id=vocab["<|endoftext|>"],
+        do_sample=True,
+        temperature=1.0,
     ).save_pretrained(out)
     (out / "visionrl_tiny.json").write_text(json.dumps(info, indent=2) + "\n")
     return out

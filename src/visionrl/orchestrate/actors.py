@@ -125,7 +125,9 @@ def make_engine(cfg: JobConfig, forbidden: list[int], seed: int) -> Any:
         )
     from visionrl.rollout.hf_engine import HFEngine
 
-    return HFEngine(cfg.model.path, lora=cfg.lora, forbidden_token_ids=forbidden, dtype=cfg.model.dtype, seed=seed)
+    return HFEngine(
+        cfg.model.path, lora=cfg.lora, forbidden_token_ids=forbidden, dtype=cfg.model.dtype, seed=seed
+    )
 
 
 def reward_specs(cfg: JobConfig) -> list[RewardSpec]:
@@ -153,11 +155,13 @@ def start_actors(cfg: JobConfig) -> tuple[Any, list[Any], list[Any]]:
     learner = LearnerActor.options(**learner_opts).remote(cfg)
     forbidden = ray.get(learner.forbidden_token_ids.remote())
     engines = [
-        RolloutActor.options(**opts).remote(cfg, forbidden, cfg.train.seed + i) for i, opts in enumerate(engine_opts)
+        RolloutActor.options(**opts).remote(cfg, forbidden, cfg.train.seed + i)
+        for i, opts in enumerate(engine_opts)
     ]
     specs = reward_specs(cfg)
     rewards = [
-        RewardActor.options(num_cpus=0).remote(specs, cfg.ray.reward_timeout_s) for _ in range(cfg.ray.num_reward_workers)
+        RewardActor.options(num_cpus=0).remote(specs, cfg.ray.reward_timeout_s)
+        for _ in range(cfg.ray.num_reward_workers)
     ]
     # Fail early, with the actor's own error, if any of them cannot start.
     ray.get([e.adapter_version.remote() for e in engines])

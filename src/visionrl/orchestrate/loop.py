@@ -1,6 +1,6 @@
 """The GRPO loop. One step = the numbered phases of DESIGN.md, each one call; the helpers are below the loop.
 
-    1 sample prompts   2 rollout   3 reward   4 advantages   5 learner update   6 sync adapter   7 log/eval/save
+1 sample prompts   2 rollout   3 reward   4 advantages   5 learner update   6 sync adapter   7 log/eval/save
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import logging
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+
 import torch
 
 from visionrl.algo import group_advantages, group_stats, groups_with_signal
@@ -47,7 +48,9 @@ def train(cfg: JobConfig, resume: bool = False) -> TrainResult:
         for step in range(start + 1, cfg.train.steps + 1):
             t0 = time.perf_counter()
             prompts = prompts_in.next_batch()  # 1. sample prompts
-            completions = workers.rollout(prompts, replace(spec, seed=cfg.train.seed * 100_003 + step))  # 2. rollout
+            completions = workers.rollout(
+                prompts, replace(spec, seed=cfg.train.seed * 100_003 + step)
+            )  # 2. rollout
             t1 = time.perf_counter()
             scores = workers.score(prompts, completions)  # 3. reward
             rewards = torch.tensor(scores.total, dtype=torch.float32)
@@ -59,9 +62,16 @@ def train(cfg: JobConfig, resume: bool = False) -> TrainResult:
             workers.sync_adapter()  # 6. sync: new adapter version to every engine
             t4 = time.perf_counter()
             m = _step_metrics(rewards, completions, scores, stats, G, cfg, len(batch.sequences))  # 7. log ...
-            m.update({"timing/rollout_s": t1 - t0, "timing/reward_s": t2 - t1, "timing/update_s": t3 - t2,
-                      "timing/sync_s": t4 - t3, "timing/step_s": t4 - t0,
-                      "throughput/tokens_per_s": m["response/tokens"] / max(t4 - t0, 1e-9)})
+            m.update(
+                {
+                    "timing/rollout_s": t1 - t0,
+                    "timing/reward_s": t2 - t1,
+                    "timing/update_s": t3 - t2,
+                    "timing/sync_s": t4 - t3,
+                    "timing/step_s": t4 - t0,
+                    "throughput/tokens_per_s": m["response/tokens"] / max(t4 - t0, 1e-9),
+                }
+            )
             if step % cfg.logging.eval_every == 0 or step == cfg.train.steps:  # ... maybe evaluate ...
                 acc = workers.evaluate(prompts_in.eval_prompts())
                 m["eval/accuracy"] = acc
@@ -86,24 +96,40 @@ def train(cfg: JobConfig, resume: bool = False) -> TrainResult:
 
 def _sampling_spec(cfg: JobConfig) -> SamplingSpec:
     r = cfg.rollout
-    return SamplingSpec(n=cfg.algorithm.group_size, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_new_tokens)
+    return SamplingSpec(
+        n=cfg.algorithm.group_size, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_new_tokens
+    )
 
 
-def _train_batch(prompts, completions, adv: torch.Tensor, rewards: torch.Tensor, cfg: JobConfig) -> TrainBatch:  # noqa: ANN001
+def _train_batch(
+    prompts, completions, adv: torch.Tensor, rewards: torch.Tensor, cfg: JobConfig
+) -> TrainBatch:  # noqa: ANN001
     """Flatten groups into sequences; with dynamic sampling (DAPO) drop groups whose rewards are all equal."""
     G = cfg.algorithm.group_size
-    keep = groups_with_signal(rewards, G) if cfg.algorithm.dynamic_sampling else torch.ones(len(prompts), dtype=torch.bool)
+    keep = (
+        groups_with_signal(rewards, G)
+        if cfg.algorithm.dynamic_sampling
+        else torch.ones(len(prompts), dtype=torch.bool)
+    )
     seqs = []
     for i, group in enumerate(completions):
         if not keep[i]:
             continue
         for j, c in enumerate(group):
-            seqs.append(Sequence(prompt=i, completion_ids=c.token_ids, advantage=float(adv[i * G + j]),
-                                 sampling_logprobs=c.logprobs))
+            seqs.append(
+                Sequence(
+                    prompt=i,
+                    completion_ids=c.token_ids,
+                    advantage=float(adv[i * G + j]),
+                    sampling_logprobs=c.logprobs,
+                )
+            )
     return TrainBatch(prompts=prompts, sequences=seqs)
 
 
-def _step_metrics(rewards, completions, scores, stats: dict, G: int, cfg: JobConfig, n_kept: int) -> dict[str, float]:  # noqa: ANN001
+def _step_metrics(
+    rewards, completions, scores, stats: dict, G: int, cfg: JobConfig, n_kept: int
+) -> dict[str, float]:  # noqa: ANN001
     flat = [c for group in completions for c in group]
     lengths = torch.tensor([len(c.token_ids) for c in flat], dtype=torch.float32)
     gs = group_stats(rewards, G)

@@ -47,8 +47,11 @@ class PromptStream:
         if self.cfg.data.eval is None:
             return []
         if self._eval is None:
-            ds = load_dataset(self.cfg.data.eval, on_bad_image=self.cfg.data.on_bad_image,
-                              max_samples=self.cfg.data.max_eval_samples)
+            ds = load_dataset(
+                self.cfg.data.eval,
+                on_bad_image=self.cfg.data.on_bad_image,
+                max_samples=self.cfg.data.max_eval_samples,
+            )
             self._eval = [self._prompt(s) for s in ds]
         return self._eval
 
@@ -89,8 +92,13 @@ class Workers:
         texts = [c.text for group in completions for c in group]
         records = [_reward_record(p) for p, group in zip(prompts, completions, strict=True) for _ in group]
         n = len(self.rewards)
-        parts = ray.get([w.score.remote(t, r) for w, t, r in zip(self.rewards, _split(texts, n), _split(records, n),
-                                                                    strict=True) if t])
+        parts = ray.get(
+            [
+                w.score.remote(t, r)
+                for w, t, r in zip(self.rewards, _split(texts, n), _split(records, n), strict=True)
+                if t
+            ]
+        )
         return _merge_results(parts)
 
     # 5. learner update
@@ -113,9 +121,15 @@ class Workers:
         from visionrl.orchestrate.actors import reward_specs
 
         if self._eval_reward is None:
-            self._eval_reward = build_reward_fn(reward_specs(self.cfg), timeout_s=self.cfg.ray.reward_timeout_s)
-        records = evaluate_prompts(_RemoteEngine(self.engines[0]), prompts, self._eval_reward,
-                                   max_tokens=self.cfg.rollout.max_new_tokens)
+            self._eval_reward = build_reward_fn(
+                reward_specs(self.cfg), timeout_s=self.cfg.ray.reward_timeout_s
+            )
+        records = evaluate_prompts(
+            _RemoteEngine(self.engines[0]),
+            prompts,
+            self._eval_reward,
+            max_tokens=self.cfg.rollout.max_new_tokens,
+        )
         ok = [r for r in records if r.get("error") is None]
         return sum(bool(r["correct"]) for r in ok) / max(1, len(ok))
 
@@ -126,8 +140,12 @@ class Workers:
         payload = ray.get(self.learner.call.remote("adapter_payload"))
         state = ray.get(self.learner.call.remote("state_dict"))
         return save_checkpoint(
-            run, step, adapter_files=payload.files, trainer_state=state["trainer_state"],
-            sampler_state=prompts.sampler.state_dict(), extra={"adapter_version": payload.version},
+            run,
+            step,
+            adapter_files=payload.files,
+            trainer_state=state["trainer_state"],
+            sampler_state=prompts.sampler.state_dict(),
+            extra={"adapter_version": payload.version},
             keep=self.cfg.logging.keep_checkpoints,
         )
 
@@ -153,8 +171,12 @@ class Workers:
         adapter_dir = run / "adapter"
         ray.get(self.learner.call.remote("save_adapter", str(adapter_dir)))
         eval_results = {"accuracy": accuracy} if accuracy is not None else None
-        manifest = build_manifest(adapter_dir, base_model=self.cfg.model.path,
-                                  job_config=self.cfg.model_dump(mode="json"), eval_results=eval_results)
+        manifest = build_manifest(
+            adapter_dir,
+            base_model=self.cfg.model.path,
+            job_config=self.cfg.model_dump(mode="json"),
+            eval_results=eval_results,
+        )
         # Written last and atomically: a reader that finds the manifest finds a complete adapter.
         tmp = adapter_dir / f".{MANIFEST_NAME}.tmp"
         tmp.write_text(json.dumps(manifest, indent=2) + "\n")
@@ -186,7 +208,9 @@ def _merge_results(parts: list[RewardResult]) -> RewardResult:
     )
 
 
-def rollout_samples(prompts: list[PromptItem], completions: list[list[Completion]], totals: list[float], n: int):  # noqa: ANN201
+def rollout_samples(
+    prompts: list[PromptItem], completions: list[list[Completion]], totals: list[float], n: int
+):  # noqa: ANN201
     """A few rollouts (the first completion of the first `n` groups) for the TensorBoard picture grid."""
     from visionrl.metrics import RolloutSample
 
@@ -196,9 +220,15 @@ def rollout_samples(prompts: list[PromptItem], completions: list[list[Completion
         if not p.images:
             continue
         question = _question_text(p.record)
-        out.append(RolloutSample(image=p.images[0], question=question, completion=group[0].text,
-                                 answer=json.dumps(p.answer) if not isinstance(p.answer, str) else p.answer,
-                                 reward=float(totals[i * G])))
+        out.append(
+            RolloutSample(
+                image=p.images[0],
+                question=question,
+                completion=group[0].text,
+                answer=json.dumps(p.answer) if not isinstance(p.answer, str) else p.answer,
+                reward=float(totals[i * G]),
+            )
+        )
     return out
 
 

@@ -36,8 +36,11 @@ class HFEngine:
         self.model = apply_lora(base, lora, seed=seed).eval()
         self.forbidden = list(forbidden_token_ids)
         tok = self.processor.tokenizer
-        self.eos_id = int(base.generation_config.eos_token_id if base.generation_config.eos_token_id is not None
-                          else tok.eos_token_id)
+        self.eos_id = int(
+            base.generation_config.eos_token_id
+            if base.generation_config.eos_token_id is not None
+            else tok.eos_token_id
+        )
         self.pad_id = int(tok.pad_token_id if tok.pad_token_id is not None else self.eos_id)
         self._version = 0
         self._generator = torch.Generator(device="cpu").manual_seed(seed)

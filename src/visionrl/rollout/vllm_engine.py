@@ -140,8 +140,10 @@ class VLLMEngine:
             logit_bias={t: FORBIDDEN_BIAS for t in self.forbidden} or None,
             skip_special_tokens=True,
         )
-        inputs = [{"prompt": p.text, "multi_modal_data": {"image": p.images}} if p.images else {"prompt": p.text}
-                  for p in prompts]
+        inputs = [
+            {"prompt": p.text, "multi_modal_data": {"image": p.images}} if p.images else {"prompt": p.text}
+            for p in prompts
+        ]
         try:
             outputs = self._llm.generate(inputs, params, lora_request=self._lora, use_tqdm=False)
         except (RuntimeError, ValueError, AssertionError) as err:

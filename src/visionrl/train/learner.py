@@ -144,7 +144,9 @@ class Learner:
                 out[row] = lp[b, :n].cpu().tolist()
         return out
 
-    def _micro_batches(self, encoded: list[EncodedPrompt], seqs: list[Sequence], rows: Any) -> list[MicroBatch]:
+    def _micro_batches(
+        self, encoded: list[EncodedPrompt], seqs: list[Sequence], rows: Any
+    ) -> list[MicroBatch]:
         rows = list(rows)
         lengths = [(len(encoded[seqs[r].prompt].input_ids), len(seqs[r].completion_ids)) for r in rows]
         plan = plan_micro_batches(lengths, self.cfg.train.micro_batch_tokens)
@@ -176,7 +178,9 @@ class Learner:
         return totals
 
     @torch.no_grad()
-    def _precompute(self, encoded: list[EncodedPrompt], seqs: list[Sequence], adapter: bool) -> dict[int, torch.Tensor]:
+    def _precompute(
+        self, encoded: list[EncodedPrompt], seqs: list[Sequence], adapter: bool
+    ) -> dict[int, torch.Tensor]:
         self.model.eval()
         out: dict[int, torch.Tensor] = {}
         for mb in self._micro_batches(encoded, seqs, range(len(seqs))):
@@ -203,7 +207,11 @@ class Learner:
         mbs = self._micro_batches(encoded, seqs, rows)
         num_tokens = float(sum(mb.num_tokens for mb in mbs))
         num_seqs = float(sum(int((mb.completion_mask.sum(1) > 0).sum()) for mb in mbs))
-        norms = {"num_tokens": num_tokens, "num_sequences": num_seqs, "norm_length": float(cfg.rollout.max_new_tokens)}
+        norms = {
+            "num_tokens": num_tokens,
+            "num_sequences": num_seqs,
+            "norm_length": float(cfg.rollout.max_new_tokens),
+        }
         acc: dict[str, float] = {}
         self.optimizer.zero_grad(set_to_none=True)
         for mb in mbs:
@@ -214,8 +222,15 @@ class Learner:
             old_lp = lp.detach() if old_lp is None else old_lp  # on-policy: ratio 1, gradient of A * lp
             adv = mb.advantages.to(self.device)
             loss, pm = policy_loss(
-                lp, old_lp, adv, mask, clip_low=algo.clip_low, clip_high=algo.clip_high,
-                dual_clip=algo.dual_clip, aggregation=algo.loss_aggregation, **norms,
+                lp,
+                old_lp,
+                adv,
+                mask,
+                clip_low=algo.clip_low,
+                clip_high=algo.clip_high,
+                dual_clip=algo.dual_clip,
+                aggregation=algo.loss_aggregation,
+                **norms,
             )
             total = loss
             ref_lp = self._gather(ref, mb)
@@ -232,9 +247,13 @@ class Learner:
                 ent = masked_mean(entropy_from_logits(logits), mask)
                 diff = masked_mean((lp.detach() - mb.sampling_logprobs.to(self.device)).abs(), mask)
             for k, v in {
-                "loss/policy": loss.item(), "loss/kl": kl.item(), "loss/total": total.item(),
-                "policy/clip_fraction": float(pm["clip_fraction"]) * w, "policy/approx_kl": float(pm["approx_kl"]) * w,
-                "policy/entropy": ent.item() * w, "rollout/logprob_diff": diff.item() * w,
+                "loss/policy": loss.item(),
+                "loss/kl": kl.item(),
+                "loss/total": total.item(),
+                "policy/clip_fraction": float(pm["clip_fraction"]) * w,
+                "policy/approx_kl": float(pm["approx_kl"]) * w,
+                "policy/entropy": ent.item() * w,
+                "rollout/logprob_diff": diff.item() * w,
             }.items():
                 acc[k] = acc.get(k, 0.0) + v
             del logits

@@ -1,0 +1,127 @@
+"""Greedy answers from an OpenAI-compatible chat endpoint (a served model), for `visionrl eval --endpoint`.
+
+Requests go through the official `openai` client: chat completions with each image inlined as a base64
+PNG `image_url` part, temperature 0, several requests in flight from a thread pool. Every request's
+latency is measured on its own; a request that fails (timeout, connection error, HTTP error, an answer
+that is not a completion) becomes a failed `Generation` with the error, never an exception, so one bad
+sample or a flaky network costs that sample only. Scoring and the report are `visionrl.evaluate`'s.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+from urllib.parse import urlsplit
+
+from PIL import Image
+
+from visionrl.evaluate import Generation
+
+FORBIDDEN_BIAS = -100  # the most negative logit bias the OpenAI API accepts
+
+
+def image_data_url(image: Image.Image) -> str:
+    """`data:image/png;base64,...` of `image` (PNG: lossless, so the server sees the pixels local eval sees)."""
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def chat_messages(messages: Sequence[dict[str, Any]], images: Sequence[Image.Image]) -> list[dict[str, Any]]:
+    """OpenAI chat messages: each `{"type": "image"}` placeholder, in order, becomes the next image as an
+    `image_url` part; text parts and roles are kept. The placeholders must match the images one to one."""
+    out: list[dict[str, Any]] = []
+    used = 0
+    for message in messages:
+        content = message["content"]
+        if isinstance(content, str):
+            out.append({"role": message["role"], "content": content})
+            continue
+        parts = []
+        for part in content:
+            if part.get("type") != "image":
+                parts.append(dict(part))
+                continue
+            if used == len(images):
+                raise ValueError(f"the messages have more image placeholders than the {len(images)} image(s)")
+            parts.append({"type": "image_url", "image_url": {"url": image_data_url(images[used])}})
+            used += 1
+        out.append({"role": message["role"], "content": parts})
+    if used != len(images):
+        raise ValueError(
+            f"the messages have {used} image placeholder(s) but there are {len(images)} image(s)"
+        )
+    return out
+
+
+def openai_base_url(endpoint: str) -> str:
+    """The OpenAI base URL: `endpoint` as given, or with `/v1` added when it names only a host."""
+    endpoint = endpoint.rstrip("/")
+    return endpoint + "/v1" if urlsplit(endpoint).path in ("", "/") else endpoint
+
+
+def _ask(
+    client: Any,
+    model: str,
+    messages: list[dict[str, Any]],
+    options: dict[str, Any],
+    clock: Callable[[], float],
+) -> Generation:
+    import openai
+
+    start = clock()
+    try:
+        response = client.chat.completions.create(model=model, messages=messages, **options)
+    except openai.APIError as err:  # timeouts, connection errors, HTTP errors, unparsable answers
+        return Generation(None, 0, (clock() - start) * 1000.0, None, f"{type(err).__name__}: {err}")
+    latency_ms = (clock() - start) * 1000.0
+    if not response.choices:
+        return Generation(None, 0, latency_ms, None, "the endpoint answered without a choice")
+    choice = response.choices[0]
+    tokens = response.usage.completion_tokens if response.usage is not None else 0
+    return Generation(choice.message.content or "", int(tokens or 0), latency_ms, choice.finish_reason)
+
+
+def request_answers(
+    endpoint: str,
+    model: str,
+    requests: Sequence[list[dict[str, Any]]],
+    *,
+    max_tokens: int,
+    concurrency: int = 8,
+    timeout_s: float = 60.0,
+    max_retries: int = 2,
+    forbidden_token_ids: Sequence[int] = (),
+    api_key: str | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> list[Generation]:
+    """One greedy answer per chat request (`chat_messages` output), in request order.
+
+    `concurrency` requests are in flight at once; each gets `timeout_s` seconds per attempt and up to
+    `max_retries` retries (the client's backoff, on connection errors, timeouts, 408/409/429 and 5xx).
+    `forbidden_token_ids` get a logit bias of -100, as local evaluation forbids vision tokens. The API key
+    is `api_key`, else $OPENAI_API_KEY, else "EMPTY" (vLLM without --api-key accepts any).
+    """
+    from openai import OpenAI
+
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    client = OpenAI(
+        base_url=openai_base_url(endpoint),
+        api_key=api_key or os.environ.get("OPENAI_API_KEY") or "EMPTY",
+        timeout=timeout_s,
+        max_retries=max_retries,
+    )
+    options: dict[str, Any] = {"temperature": 0.0, "max_tokens": max_tokens}
+    if forbidden_token_ids:
+        options["logit_bias"] = {str(t): FORBIDDEN_BIAS for t in forbidden_token_ids}
+    try:
+        with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="eval-request") as pool:
+            return list(pool.map(lambda messages: _ask(client, model, messages, options, clock), requests))
+    finally:
+        client.close()

@@ -1,0 +1,131 @@
+"""The evaluation report: headline numbers over per-sample records, written as JSON with a Markdown twin.
+
+Shared by every way of producing answers (local engines, a served endpoint, the training loop's periodic
+eval), so their reports have one format. `visionrl.evaluate` re-exports these names.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from visionrl.errors import InputError
+
+MARKDOWN_SAMPLES = 10  # samples shown in the Markdown twin (all of them are in the JSON)
+
+
+def nearest_rank(values: Sequence[float], percent: int) -> float | None:
+    """The `percent`-th percentile by nearest rank: the ceil(percent/100 * n)-th smallest value (None if empty)."""
+    if not 0 < percent <= 100:
+        raise ValueError(f"percent must be in (0, 100], got {percent}")
+    if not values:
+        return None
+    ordered = sorted(values)
+    # percent * n is an exact integer, so the division is exact when the rank is whole (no 18.999... rounding).
+    return ordered[max(1, math.ceil(percent * len(ordered) / 100)) - 1]
+
+
+def summarize(
+    records: list[dict[str, Any]],
+    *,
+    model: str,
+    data: str,
+    started: float,
+    duration_s: float,
+    ablate_images: bool,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The report: headline numbers, settings and the per-sample `records` (under `samples`).
+
+    A sample failed when its request or generation raised (`error` set); a wrong answer is not a failure.
+    `accuracy` = correct / (num_samples - num_failed), 0.0 when every sample failed; `mean_reward` and the
+    nearest-rank latency percentiles are over the samples that did not fail (None when none did).
+    `tokens_per_s` = tokens generated / `duration_s` (the wall time of generating and scoring).
+    `started` is a Unix time; `created` is it in ISO 8601 (UTC). `extra` adds fields (engine, adapter, ...).
+    """
+    done = [r for r in records if r["error"] is None]
+    num_failed = len(records) - len(done)
+    num_correct = sum(bool(r["correct"]) for r in done)
+    latencies = [float(r["latency_ms"]) for r in done]
+    num_tokens = sum(int(r["num_tokens"]) for r in done)
+    report: dict[str, Any] = {
+        "model": model,
+        "data": data,
+        "ablate_images": ablate_images,
+        "created": datetime.fromtimestamp(started, UTC).isoformat(timespec="seconds"),
+        "num_samples": len(records),
+        "num_failed": num_failed,
+        "num_correct": num_correct,
+        "accuracy": num_correct / len(done) if done else 0.0,
+        "mean_reward": sum(float(r["reward"]) for r in done) / len(done) if done else None,
+        "latency_ms_p50": nearest_rank(latencies, 50),
+        "latency_ms_p95": nearest_rank(latencies, 95),
+        "num_tokens": num_tokens,
+        "tokens_per_s": num_tokens / duration_s if duration_s > 0 else None,
+        "duration_s": duration_s,
+    }
+    report.update(extra or {})
+    report["samples"] = records
+    return report
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    # Write beside the target and rename: a reader never sees half a report, even if we are killed.
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _cell(value: Any, width: int = 60) -> str:
+    """A Markdown table cell: None as '-', floats to 3 decimals, no pipes or line breaks, cut to `width`."""
+    if value is None:
+        return "-"
+    text = f"{value:.3f}" if isinstance(value, float) else str(value)
+    text = text.replace("|", "\\|").replace("\r", " ").replace("\n", " ")
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+HEADLINE = (
+    "model", "data", "accuracy", "num_samples", "num_failed", "mean_reward",
+    "latency_ms_p50", "latency_ms_p95", "tokens_per_s", "ablate_images", "created",
+)  # fmt: skip
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    """A short human-readable twin of the report: headline numbers and the first samples."""
+    lines = ["# visionrl evaluation", "", "| metric | value |", "| --- | --- |"]
+    lines += [f"| {key} | {_cell(report.get(key), 200)} |" for key in HEADLINE]
+    samples = report.get("samples", [])
+    shown = samples[:MARKDOWN_SAMPLES]
+    lines += ["", f"## First {len(shown)} of {len(samples)} samples", ""]
+    lines += [
+        "| id | answer | completion | reward | correct | error |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in shown:
+        cells = [r["id"], r["answer"], r["completion"], r["reward"], r["correct"], r["error"]]
+        lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(report: dict[str, Any], out: str | Path) -> None:
+    """Write `report` as JSON at `out` and as Markdown at `out` with the suffix `.md`; both atomically."""
+    path = Path(out)
+    if path.suffix.lower() == ".md":
+        raise InputError(
+            f"report path '{path}' ends in .md, which is the Markdown twin's name; use e.g. .json"
+        )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write(path, json.dumps(report, indent=2, ensure_ascii=False, default=str) + "\n")
+    _atomic_write(path.with_suffix(".md"), render_markdown(report))

@@ -1,0 +1,51 @@
+"""One place that turns a folder or object-store URL into an fsspec filesystem (export, fetch for serving).
+
+Credentials and the endpoint come from the standard AWS environment (`AWS_ACCESS_KEY_ID`,
+`AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`, `AWS_DEFAULT_REGION`, profiles and instance roles), read by
+botocore under s3fs. botocore also reads `AWS_ENDPOINT_URL_S3` / `AWS_ENDPOINT_URL` itself (checked with the
+pinned s3fs 2026.9 / aiobotocore 3.10); we still pass the endpoint explicitly, because fsspec caches one
+filesystem object per set of constructor arguments: without the endpoint among them, a process that changes
+`AWS_ENDPOINT_URL` (a test against a local S3 server, a script switching stores) would silently keep talking
+to the first endpoint.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import fsspec
+
+S3_PROTOCOLS = ("s3", "s3a")
+# botocore's order: the service-specific variable wins over the global one.
+ENDPOINT_VARIABLES = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
+
+
+def s3_endpoint_url() -> str | None:
+    """The S3 endpoint from the environment (`AWS_ENDPOINT_URL_S3`, else `AWS_ENDPOINT_URL`), or None."""
+    for name in ENDPOINT_VARIABLES:
+        value = os.environ.get(name, "").strip()
+        if value:
+            return value
+    return None
+
+
+def storage_options(url: str) -> dict[str, Any]:
+    """fsspec options for `url`: for s3:// the endpoint from the environment (see the module docstring)."""
+    protocol = url.split("://", 1)[0].lower() if "://" in url else "file"
+    if protocol not in S3_PROTOCOLS:
+        return {}
+    endpoint = s3_endpoint_url()
+    return {"client_kwargs": {"endpoint_url": endpoint}} if endpoint else {}
+
+
+def filesystem(url: str | os.PathLike[str]) -> tuple[fsspec.AbstractFileSystem, str]:
+    """(filesystem, path inside it) of a local folder or a URL such as `s3://bucket/prefix`."""
+    text = os.fspath(url)
+    return fsspec.core.url_to_fs(text, **storage_options(text))
+
+
+def is_local(fs: fsspec.AbstractFileSystem) -> bool:
+    """Whether `fs` is the local disk (where a path can be handed to another process as is)."""
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+    return "file" in protocols
