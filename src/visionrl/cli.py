@@ -240,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    from visionrl.errors import BAD_INPUT_ERRORS
+    from visionrl.errors import BAD_INPUT_ERRORS, RunError
 
     try:
         return int(args.func(args) or 0)
@@ -249,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     except BAD_INPUT_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except RunError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

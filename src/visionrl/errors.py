@@ -7,4 +7,8 @@ class InputError(ValueError):
     """Bad input from the user (job file, data, adapter, arguments). The message says what, why and what to do."""
 
 
+class RunError(RuntimeError):
+    """The run failed at run time (an actor died, an engine broke); the message says how to continue."""
+
+
 BAD_INPUT_ERRORS: tuple[type[BaseException], ...] = (InputError,)

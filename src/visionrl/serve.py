@@ -71,7 +71,7 @@ def default_cache_dir() -> Path:
 
 def _cache_key(fs: fsspec.AbstractFileSystem, root: str, manifest_raw: bytes) -> str:
     """A folder name unique to (where the export lives, which manifest it has)."""
-    where = str(Path(root).resolve()) if is_local(fs) else f"{fs.protocol}://{root.rstrip('/')}"
+    where = str(Path(root).resolve()) if is_local(fs) else fs.unstrip_protocol(root.rstrip("/"))
     digest = hashlib.sha256(where.encode() + b"\n" + hashlib.sha256(manifest_raw).digest())
     return digest.hexdigest()[:24]
 

@@ -91,6 +91,7 @@ class ServerHandle:
         log_path: str | os.PathLike[str] | None = None,
         echo: TextIO | None = None,
         adapters: Sequence[str] = (),
+        ready_path: str = "/v1/models",
     ) -> None:
         self.command = list(command)
         self.url = root_url(url)
@@ -98,6 +99,7 @@ class ServerHandle:
         self.log_path = Path(log_path) if log_path is not None else None
         self.echo = echo
         self.adapters = list(adapters)  # adapter names the server was started with
+        self.ready_path = ready_path  # answers 200 once the server serves (vLLM: after the model loaded)
         self._proc: subprocess.Popen[bytes] | None = None
         self._tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self._reader: threading.Thread | None = None
@@ -151,7 +153,7 @@ class ServerHandle:
     def wait_ready(
         self, timeout_s: float, *, progress: Callable[[str], None] | None = None, poll_s: float = 0.5
     ) -> float:
-        """Block until GET /v1/models answers; returns the seconds it took since this call.
+        """Block until GET `ready_path` answers 200; returns the seconds it took since this call.
 
         Raises ServerError, with the server's last log lines, if it exits first or is not ready in time.
         """
@@ -168,7 +170,7 @@ class ServerHandle:
                     f"{self.log_tail()}"
                 )
             try:
-                http_json("GET", f"{self.url}/v1/models", timeout_s=5.0)
+                http_json("GET", f"{self.url}{self.ready_path}", timeout_s=5.0)
             except ServerError:
                 pass  # not listening yet, or still loading the model
             else:

@@ -11,10 +11,12 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import ray
 import torch
 
 from visionrl.algo import group_advantages, group_stats, groups_with_signal
 from visionrl.config import JobConfig, dump_config
+from visionrl.errors import InputError, RunError
 from visionrl.orchestrate.actors import ray_session, start_actors
 from visionrl.orchestrate.workers import PromptStream, Workers, rollout_samples
 from visionrl.rollout.types import SamplingSpec
@@ -34,61 +36,106 @@ class TrainResult:
 
 
 def train(cfg: JobConfig, resume: bool = False) -> TrainResult:
-    from visionrl.metrics import MetricsWriter, Progress
-
+    """Run the job; on a dead actor or engine raise RunError naming the newest checkpoint to resume from."""
     run = Path(cfg.output_dir)
+    if not resume and (run / "checkpoints").is_dir() and any((run / "checkpoints").glob("step_*")):
+        raise InputError(
+            f"output_dir {run} holds checkpoints of an earlier run; continue it with `--resume`, "
+            "or set output_dir to a new directory (nothing was overwritten)"
+        )
     run.mkdir(parents=True, exist_ok=True)
     (run / "config.yaml").write_text(dump_config(cfg))
-    G, spec = cfg.algorithm.group_size, _sampling_spec(cfg)
-    with ray_session(cfg.ray), MetricsWriter(run / "tensorboard") as tb:
+    if not resume:
+        (run / "history.jsonl").unlink(missing_ok=True)
+    try:
+        with ray_session(cfg.ray):
+            return _train(cfg, run, resume)
+    except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as err:
+        from visionrl.checkpoint import latest_checkpoint
+
+        ckpt = latest_checkpoint(run)
+        where = (
+            f"the newest checkpoint is {ckpt}; continue with `visionrl train CONFIG --resume`"
+            if ckpt
+            else ("no checkpoint was written yet")
+        )
+        raise RunError(f"a worker of the run failed: {_first_line(err)}\n{where}") from err
+
+
+def _train(cfg: JobConfig, run: Path, resume: bool) -> TrainResult:
+    from visionrl.metrics import MetricsWriter, Progress
+
+    G, spec, clock = cfg.algorithm.group_size, _sampling_spec(cfg), StepClock()
+    with MetricsWriter(run / "tensorboard") as tb:
         workers = Workers(*start_actors(cfg), cfg)
         prompts_in = PromptStream(cfg)
         start = workers.resume(run, prompts_in) if resume else 0
         progress, history, acc, above = Progress(cfg.train.steps, start_step=start), [], None, 0
         for step in range(start + 1, cfg.train.steps + 1):
-            t0 = time.perf_counter()
+            clock.start()
             prompts = prompts_in.next_batch()  # 1. sample prompts
-            completions = workers.rollout(
-                prompts, replace(spec, seed=cfg.train.seed * 100_003 + step)
-            )  # 2. rollout
-            t1 = time.perf_counter()
-            scores = workers.score(prompts, completions)  # 3. reward
+            with clock("rollout"):  # 2. rollout: group_size completions per prompt, current adapter
+                completions = workers.rollout(prompts, replace(spec, seed=cfg.train.seed * 100_003 + step))
+            with clock("reward"):  # 3. reward
+                scores = workers.score(prompts, completions)
             rewards = torch.tensor(scores.total, dtype=torch.float32)
             adv = group_advantages(rewards, G, scale=cfg.algorithm.advantage_scale)  # 4. advantages
             batch = _train_batch(prompts, completions, adv, rewards, cfg)
-            t2 = time.perf_counter()
-            stats = workers.update(batch) if batch.sequences else {}  # 5. learner update
-            t3 = time.perf_counter()
-            workers.sync_adapter()  # 6. sync: new adapter version to every engine
-            t4 = time.perf_counter()
-            m = _step_metrics(rewards, completions, scores, stats, G, cfg, len(batch.sequences))  # 7. log ...
-            m.update(
-                {
-                    "timing/rollout_s": t1 - t0,
-                    "timing/reward_s": t2 - t1,
-                    "timing/update_s": t3 - t2,
-                    "timing/sync_s": t4 - t3,
-                    "timing/step_s": t4 - t0,
-                    "throughput/tokens_per_s": m["response/tokens"] / max(t4 - t0, 1e-9),
-                }
-            )
-            if step % cfg.logging.eval_every == 0 or step == cfg.train.steps:  # ... maybe evaluate ...
-                acc = workers.evaluate(prompts_in.eval_prompts())
-                m["eval/accuracy"] = acc
+            with clock("update"):  # 5. learner update
+                stats = workers.update(batch) if batch.sequences else {}
+            with clock("sync"):  # 6. sync: the new adapter version to every engine
+                workers.sync_adapter()
+            m = {
+                **_step_metrics(rewards, completions, scores, stats, G, len(batch.sequences)),
+                **clock.metrics(),
+            }
+            if step % cfg.logging.eval_every == 0 or step == cfg.train.steps:  # 7. log, maybe evaluate ...
+                m["eval/accuracy"] = acc = workers.evaluate(prompts_in.eval_prompts())
                 above = above + 1 if acc is not None and acc >= (cfg.train.target_accuracy or 2.0) else 0
-            _log(tb, step, m, rewards, completions, prompts, scores, cfg)
+            _log(tb, run, step, m, rewards, completions, prompts, scores, cfg)
             history.append({"step": step, **m})
             progress.update(step, reward=m["reward/mean"], acc=acc)
-            stop = above >= 2
+            stop = above >= 2  # two consecutive evals at the target (evals swing, FACTS.md)
             if step % cfg.logging.save_every == 0 or step == cfg.train.steps or stop:  # ... maybe checkpoint
                 workers.checkpoint(run, step, prompts_in)
-            if stop:  # two consecutive evals at the target: done (evals swing, FACTS.md)
+            if stop:
                 break
         progress.close()
         adapter_dir = workers.export_final(run, acc)  # end: the adapter, with its manifest
         workers.close()
-    (run / "history.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
     return TrainResult(run, adapter_dir, history[-1]["step"] if history else start, acc, history)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__
+
+
+class StepClock:
+    """Wall time of each phase of a step, as `timing/<phase>_s`, plus the whole step and tokens per second."""
+
+    def __init__(self) -> None:
+        self._t0 = time.perf_counter()
+        self._times: dict[str, float] = {}
+        self._phase = ""
+
+    def start(self) -> None:
+        self._t0, self._times = time.perf_counter(), {}
+
+    def __call__(self, phase: str) -> StepClock:
+        self._phase = phase
+        return self
+
+    def __enter__(self) -> None:
+        self._times[self._phase] = -time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        self._times[self._phase] += time.perf_counter()
+
+    def metrics(self) -> dict[str, float]:
+        out = {f"timing/{k}_s": v for k, v in self._times.items()}
+        out["timing/step_s"] = time.perf_counter() - self._t0
+        return out
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -156,7 +203,10 @@ def _step_metrics(
     return m
 
 
-def _log(tb, step: int, m: dict, rewards, completions, prompts, scores, cfg: JobConfig) -> None:  # noqa: ANN001
+def _log(tb, run: Path, step: int, m: dict, rewards, completions, prompts, scores, cfg: JobConfig) -> None:  # noqa: ANN001
+    m["throughput/tokens_per_s"] = m["response/tokens"] / max(m["timing/step_s"], 1e-9)
+    with open(run / "history.jsonl", "a") as f:  # appended every step: a killed run keeps its history
+        f.write(json.dumps({"step": step, **m}) + "\n")
     if step % cfg.logging.log_every == 0:
         tb.scalars(step, m)
         tb.histogram(step, "reward/hist", rewards)

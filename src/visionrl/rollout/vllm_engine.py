@@ -49,6 +49,15 @@ def set_cpu_env(kv_cache_gib: float) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+def _quiet_vllm() -> None:
+    """vLLM's INFO lines (one per cache reset, i.e. per step) bury the progress bar: default to WARNING, and drop
+    the CPU worker's warning repeated on every `torch.set_num_threads` call (it replaces that function)."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(
+        lambda record: "set_num_threads" not in record.getMessage()
+    )
+
+
 class VLLMEngine:
     """Rollouts with vLLM. `forbidden_token_ids` can never be sampled (vision tokens)."""
 
@@ -87,6 +96,7 @@ class VLLMEngine:
             self._llm_kwargs["dtype"] = "float32" if dtype == "float32" else dtype
         else:
             self._llm_kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        _quiet_vllm()
         self.forbidden = list(forbidden_token_ids)
         self._dir = Path(tempfile.mkdtemp(prefix="visionrl-vllm-adapters-"))
         self._version = 0

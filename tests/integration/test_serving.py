@@ -1,0 +1,205 @@
+"""From exported adapter to served endpoint, end to end on the tiny Qwen3-VL (slow):
+
+two LoRA adapters (language model + vision merger, random non-zero B) are exported to a local S3 server
+(moto, in a child process), one is served from s3:// at start and the other loaded at run time by the real vLLM OpenAI server
+(CPU build); served evaluation through the openai client must give the same greedy answers as local vLLM
+evaluation of the same adapter; a tampered or incomplete export is refused; unloading removes an adapter.
+The vLLM server is started once for the module (each start costs about 40-55 s).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from visionrl.cli import main
+from visionrl.evaluate import evaluate_endpoint, evaluate_local
+from visionrl.export import MANIFEST_NAME, ExportError, export_adapter, verify_adapter
+from visionrl.serve import (
+    ServerHandle,
+    fetch_adapter,
+    list_models,
+    load_adapter,
+    start_server,
+    unload_adapter,
+)
+from visionrl.server_process import ServerError, free_port
+from visionrl.storage import filesystem
+
+pytestmark = pytest.mark.slow
+
+BUCKET = "visionrl-test"
+NUM_SAMPLES = 16
+MAX_TOKENS = 4
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A moto S3 server on 127.0.0.1 with one bucket; the AWS environment points at it (fake keys).
+
+    moto runs in a child process, not as moto's in-process ThreadedMotoServer: importing flask into this
+    process breaks every later in-process vLLM engine (vLLM 0.32 scans all module globals at start, and
+    flask's `current_app` proxy raises RuntimeError there).
+    """
+    import boto3
+
+    port = free_port()
+    home = tmp_path_factory.mktemp("aws")
+    command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+    with ServerHandle(
+        command, url=f"http://127.0.0.1:{port}", ready_path="/moto-api/", log_path=home / "moto.log"
+    ) as moto:
+        moto.wait_ready(60, poll_s=0.1)
+        with pytest.MonkeyPatch.context() as mp:
+            for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
+                mp.delenv(name, raising=False)
+            mp.setenv("AWS_ACCESS_KEY_ID", "testing")
+            mp.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+            mp.setenv("AWS_DEFAULT_REGION", "us-east-1")
+            mp.setenv("AWS_ENDPOINT_URL", moto.url)
+            # No user config or credential files may leak in.
+            mp.setenv("AWS_CONFIG_FILE", str(home / "config"))
+            mp.setenv("AWS_SHARED_CREDENTIALS_FILE", str(home / "credentials"))
+            boto3.client("s3").create_bucket(Bucket=BUCKET)
+            yield f"s3://{BUCKET}"
+
+
+def _random_adapter(base: Path, out: Path, seed: int) -> Path:
+    """A peft adapter on the LM projections and the merger (rank 8) with random non-zero lora_B."""
+    import torch
+
+    from visionrl.config import LoraConfig
+    from visionrl.models.loader import apply_lora, load_base_model
+
+    model = apply_lora(load_base_model(base), LoraConfig(rank=8, alpha=16.0, train_merger=True), seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:  # B = 0 would make the adapter a no-op
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
+    model.save_pretrained(str(out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def exports(s3: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """a1 exported by the API, a2 by the `visionrl export` command, both to s3://."""
+    root = tmp_path_factory.mktemp("adapters")
+    a1 = _random_adapter(tiny_model, root / "a1", seed=1)
+    a2 = _random_adapter(tiny_model, root / "a2", seed=2)
+    manifest = export_adapter(a1, f"{s3}/a1")
+    assert main(["export", str(a2), f"{s3}/a2"]) == 0
+    return {"a1": a1, "a2": a2, "manifest": manifest, "root": root}
+
+
+@pytest.fixture(scope="module")
+def server(exports: dict[str, Any], tiny_model: Path, s3: str) -> Iterator[ServerHandle]:
+    log = exports["root"] / "server.log"
+    with start_server(str(tiny_model), {"a1": f"{s3}/a1"}, cache_dir=exports["root"] / "cache", log_path=log,
+                      max_loras=2) as handle:  # fmt: skip
+        yield handle
+
+
+@pytest.fixture(scope="module")
+def a2_copy(server: ServerHandle, exports: dict[str, Any], s3: str) -> Path:
+    """a2, loaded at run time; returns the verified local copy the server reads."""
+    return load_adapter(server.url, "a2", f"{s3}/a2", cache_dir=exports["root"] / "cache")
+
+
+def test_exports_on_s3_verify_and_need_the_tower_flag(exports: dict[str, Any], s3: str) -> None:
+    assert verify_adapter(f"{s3}/a1") == exports["manifest"]
+    assert exports["manifest"]["serving"]["tower_connector_lora"] is True
+    fs, root = filesystem(f"{s3}/a2")
+    names = {p.rsplit("/", 1)[-1] for p in fs.ls(root)}
+    assert {"adapter_config.json", "adapter_model.safetensors", MANIFEST_NAME} <= names
+
+
+def test_server_lists_the_start_and_run_time_adapters(server: ServerHandle, a2_copy: Path) -> None:
+    assert "--enable-tower-connector-lora" in server.command
+    models = list_models(server.base_url)
+    assert {"a1", "a2"} <= set(models) and len(models) == 3  # and the base model
+
+
+def _answers(report: dict[str, Any]) -> list[tuple[str, str]]:
+    # vLLM's detokenizer may put a space before the first word; rewards normalise whitespace too.
+    return [(s["id"], (s["completion"] or "").strip()) for s in report["samples"]]
+
+
+def test_served_answers_equal_local_vllm_answers(
+    server: ServerHandle,
+    a2_copy: Path,
+    exports: dict[str, Any],
+    tiny_model: Path,
+    color_data: Path,
+    tmp_path: Path,
+) -> None:
+    data = str(color_data / "eval.jsonl")
+    common = {"data": data, "max_samples": NUM_SAMPLES, "max_tokens": MAX_TOKENS}
+    served = {
+        "a1": evaluate_endpoint(
+            server.base_url,
+            "a1",
+            out=str(tmp_path / "a1.json"),
+            concurrency=4,
+            base=str(tiny_model),
+            **common,
+        ),  # fmt: skip
+        "base": evaluate_endpoint(
+            server.base_url, str(tiny_model), out=str(tmp_path / "base.json"), base=str(tiny_model), **common
+        ),  # fmt: skip
+    }
+    # a2 through the command line, as a user would.
+    argv = ["eval", "--endpoint", server.base_url, "--model", "a2", "--base", str(tiny_model), "--data", data,
+            "--out", str(tmp_path / "a2.json"), "--max-samples", str(NUM_SAMPLES), "--max-tokens", str(MAX_TOKENS)]  # fmt: skip
+    assert main(argv) == 0
+    served["a2"] = json.loads((tmp_path / "a2.json").read_text())
+
+    for name, adapter in (("a1", str(exports["a1"])), ("a2", str(a2_copy))):
+        local = evaluate_local(base=str(tiny_model), adapter=adapter, out=str(tmp_path / f"local-{name}.json"),
+                               engine="vllm", **common)  # fmt: skip
+        report = served[name]
+        assert report["num_samples"] == NUM_SAMPLES and report["num_failed"] == 0
+        assert abs(report["accuracy"] - local["accuracy"]) <= 0.02, name
+        assert _answers(report) == _answers(local), name
+        assert [s["num_tokens"] for s in report["samples"]] == [s["num_tokens"] for s in local["samples"]]
+        assert set(report["samples"][0]) == set(local["samples"][0])  # one report format
+        assert report["latency_ms_p50"] is not None and report["tokens_per_s"] > 0
+    # The adapters change the answers (LoRA is applied), and differently.
+    assert _answers(served["a1"]) != _answers(served["base"])
+    assert _answers(served["a1"]) != _answers(served["a2"])
+
+
+def test_tampered_and_incomplete_exports_are_refused(
+    server: ServerHandle, exports: dict[str, Any], s3: str, tmp_path: Path
+) -> None:
+    export_adapter(exports["a1"], f"{s3}/a3")
+    fs, root = filesystem(f"{s3}/a3")
+    weights = f"{root}/adapter_model.safetensors"
+    data = bytearray(fs.cat_file(weights))
+    data[len(data) // 2] ^= 0xFF  # one byte changed, size kept
+    fs.pipe_file(weights, bytes(data))
+    with pytest.raises(
+        ExportError, match=r"adapter_model\.safetensors in s3://.*/a3 does not match the sha256"
+    ):
+        fetch_adapter(f"{s3}/a3", tmp_path / "cache")
+    with pytest.raises(ExportError, match=r"adapter_model\.safetensors"):
+        load_adapter(server.url, "a3", f"{s3}/a3", cache_dir=tmp_path / "cache")
+    fs.rm(f"{root}/{MANIFEST_NAME}")
+    with pytest.raises(ExportError, match="not a complete export"):
+        load_adapter(server.url, "a3", f"{s3}/a3", cache_dir=tmp_path / "cache")
+    assert "a3" not in list_models(server.url)
+
+
+def test_unload_removes_an_adapter(server: ServerHandle, exports: dict[str, Any], s3: str) -> None:
+    load_adapter(server.url, "a1-again", f"{s3}/a1", cache_dir=exports["root"] / "cache")
+    assert "a1-again" in list_models(server.url)
+    unload_adapter(server.url, "a1-again")
+    assert "a1-again" not in list_models(server.url)
+    with pytest.raises(ServerError, match="a1-again") as err:
+        unload_adapter(server.url, "a1-again")
+    assert err.value.status == 404
