@@ -131,6 +131,48 @@ def _usage(msg: str) -> _UsageError:
     return _UsageError(msg)
 
 
+def _add_serving_commands(
+    add: Callable[[str, Callable[[argparse.Namespace], int], str], argparse.ArgumentParser],
+) -> None:
+    """export, fetch and serve: from a trained adapter to a served endpoint."""
+    sp = add(
+        "export", _cmd_export, "Export a trained adapter with its manifest to a folder or s3://bucket/prefix."
+    )
+    sp.add_argument("src", help="run directory or checkpoint directory")
+    sp.add_argument("dest", help="destination folder or s3://bucket/prefix")
+    sp.add_argument(
+        "--allow-unservable",
+        action="store_true",
+        help="export even if vLLM cannot serve the adapter as trained (the problems are listed)",
+    )
+
+    sp = add(
+        "fetch", _cmd_fetch, "Download an exported adapter, verify it against its manifest, print its path."
+    )
+    sp.add_argument("src", help="exported adapter: folder or s3://bucket/prefix")
+    sp.add_argument("--cache-dir", default=None, help="local cache (default ~/.cache/visionrl/adapters)")
+
+    sp = add(
+        "serve", _cmd_serve, "Serve a base model with LoRA adapters through vLLM's OpenAI-compatible server."
+    )
+    sp.add_argument("--base", required=True, help="base model directory")
+    sp.add_argument(
+        "--adapter",
+        action="append",
+        default=[],
+        metavar="NAME=SRC",
+        help="exported adapter (folder or s3://) served as NAME (repeatable)",
+    )
+    sp.add_argument("--host", default="127.0.0.1")
+    sp.add_argument("--port", type=int, default=8000)
+    sp.add_argument(
+        "--vllm-arg",
+        action="append",
+        default=[],
+        help="extra argument passed to vLLM, last (repeatable; flags as --vllm-arg=--max-num-seqs=8)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="visionrl",
@@ -190,35 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sp.add_argument("--seed", type=int, default=0, help="seed (image permutation)")
 
-    sp = add(
-        "export", _cmd_export, "Export a trained adapter with its manifest to a folder or s3://bucket/prefix."
-    )
-    sp.add_argument("src", help="run directory or checkpoint directory")
-    sp.add_argument("dest", help="destination folder or s3://bucket/prefix")
-    sp.add_argument(
-        "--allow-unservable",
-        action="store_true",
-        help="export even if vLLM cannot serve the adapter as trained (the problems are listed)",
-    )
-
-    sp = add(
-        "fetch", _cmd_fetch, "Download an exported adapter, verify it against its manifest, print its path."
-    )
-    sp.add_argument("src", help="exported adapter: folder or s3://bucket/prefix")
-    sp.add_argument("--cache-dir", default=None, help="local cache (default ~/.cache/visionrl/adapters)")
-
-    sp = add(
-        "serve", _cmd_serve, "Serve a base model with LoRA adapters through vLLM's OpenAI-compatible server."
-    )
-    sp.add_argument("--base", required=True, help="base model directory")
-    sp.add_argument(
-        "--adapter", action="append", default=[], metavar="NAME=SRC", help="adapter to load (repeatable)"
-    )
-    sp.add_argument("--host", default="127.0.0.1")
-    sp.add_argument("--port", type=int, default=8000)
-    sp.add_argument(
-        "--vllm-arg", action="append", default=[], help="extra argument passed to vLLM (repeatable)"
-    )
+    _add_serving_commands(add)
 
     sp = add(
         "init-tiny-model", _cmd_init_tiny_model, "Write a tiny Qwen3-VL checkpoint (for tests and the demo)."

@@ -23,12 +23,15 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from visionrl.errors import RunError
+
 PROGRESS_EVERY_S = 10.0
 TAIL_LINES = 200
 
 
-class ServerError(RuntimeError):
-    """The server failed to start, died, or refused a request; the message carries its reason."""
+class ServerError(RunError):
+    """The server failed to start, died, or refused a request; the message carries its reason (the CLI
+    prints it and exits 1)."""
 
     def __init__(self, message: str, status: int | None = None) -> None:
         super().__init__(message)

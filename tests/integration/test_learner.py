@@ -145,3 +145,13 @@ def test_lr_schedule_warmup_then_cosine() -> None:
     assert lr_lambda(6, 2, 10, "cosine", 0.1) == pytest.approx(0.1 + 0.9 * 0.5)  # halfway: cos(pi/2)=0
     assert lr_lambda(10, 2, 10, "cosine", 0.1) == pytest.approx(0.1)
     assert lr_lambda(7, 0, 10, "constant", 0.1) == 1.0
+
+
+def test_adapter_holds_only_lora_weights(tiny_model: Path, color_data: Path) -> None:
+    """With LoRA on lm_head the saved adapter must not carry the frozen base lm_head (huge for real models)."""
+    from safetensors.torch import load
+
+    learner = Learner(_cfg(tiny_model, color_data), device="cpu")
+    names = sorted(load(learner.adapter_payload().files["adapter_model.safetensors"]))
+    assert names and all(".lora_A." in n or ".lora_B." in n for n in names), names
+    assert any("lm_head.lora_A" in n for n in names)
