@@ -7,7 +7,8 @@ way of producing answers shares one scoring and one report:
   `.generate(prompts, spec)` (the vLLM or HF rollout engine; the training loop uses it for periodic eval);
 - `score_generations(prompts, generations, reward_fn)`: backend-agnostic scoring of `Generation`s (what an
   endpoint evaluation produces from HTTP responses goes through here too);
-- `summarize(...)` and `write_report(...)`: the report JSON and its Markdown twin;
+- `summarize(...)` and `write_report(...)`: the report JSON and its Markdown twin (`visionrl.eval_report`,
+  re-exported here);
 - `evaluate_local(...)`: the whole local run (data, processor, engine, adapter, report);
 - `evaluate_endpoint(...)`: the same report for a served model, through its OpenAI-compatible chat API
   (`visionrl.endpoint_client` sends the requests).

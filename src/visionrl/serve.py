@@ -242,9 +242,8 @@ def server_env(base: str, *, cpu: bool, environ: Mapping[str, str] | None = None
     env = dict(os.environ if environ is None else environ)
     env.setdefault("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
     if Path(base).is_dir():
-        env.setdefault(
-            "HF_HUB_OFFLINE", "1"
-        )  # a local checkpoint needs no hub; some machines cannot reach it
+        # A local checkpoint needs no hub, and some machines cannot reach it (startup would wait on it).
+        env.setdefault("HF_HUB_OFFLINE", "1")
     if cpu:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default reserves about 20 GiB
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")

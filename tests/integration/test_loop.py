@@ -19,13 +19,13 @@ from visionrl.train.learner import Learner, TrainBatch
 pytestmark = pytest.mark.slow
 
 
-def _cfg(model: Path, data: Path, out: Path, **over: dict) -> JobConfig:
+def _cfg(model: Path, data_dir: Path, out: Path, **over: dict) -> JobConfig:
     raw = {
         "output_dir": str(out),
         "model": {"path": str(model), "dtype": "float32"},
         "data": {
-            "train": str(data / "train.jsonl"),
-            "eval": str(data / "eval.jsonl"),
+            "train": str(data_dir / "train.jsonl"),
+            "eval": str(data_dir / "eval.jsonl"),
             "balance_key": "answer",
             "max_eval_samples": 32,
         },

@@ -217,6 +217,16 @@ def test_unservable_adapter_and_bad_names_are_refused(tmp_path: Path) -> None:
         served_adapter("two words", _make_adapter(tmp_path / "ok"))
 
 
+@pytest.mark.parametrize(("adapters", "fragment"), [
+    (["color"], "is not NAME=SRC"), (["=s3://b/p"], "is not NAME=SRC"), (["a=x", "a=y"], "given twice"),
+])  # fmt: skip
+def test_serve_refuses_bad_adapter_arguments_before_starting(adapters: list[str], fragment: str) -> None:
+    from visionrl.serve import serve
+
+    with pytest.raises(InputError, match=fragment):
+        serve("base", adapters, port=free_port())
+
+
 def test_server_env_enables_runtime_lora_and_cpu_defaults_without_overriding(tmp_path: Path) -> None:
     env = server_env(str(tmp_path), cpu=True, environ={"VLLM_CPU_KVCACHE_SPACE": "8", "KEEP": "1"})
     assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"

@@ -174,9 +174,7 @@ def _train_batch(
     return TrainBatch(prompts=prompts, sequences=seqs)
 
 
-def _step_metrics(
-    rewards, completions, scores, stats: dict, G: int, cfg: JobConfig, n_kept: int
-) -> dict[str, float]:  # noqa: ANN001
+def _step_metrics(rewards, completions, scores, stats: dict, G: int, n_kept: int) -> dict[str, float]:  # noqa: ANN001
     flat = [c for group in completions for c in group]
     lengths = torch.tensor([len(c.token_ids) for c in flat], dtype=torch.float32)
     gs = group_stats(rewards, G)
