@@ -14,10 +14,10 @@ from visionrl.train.batching import Sequence, plan_micro_batches
 from visionrl.train.learner import Learner, TrainBatch, lr_lambda
 
 
-def _cfg(model: Path, data: Path, **over: dict) -> JobConfig:
+def _cfg(model_dir: Path, data: Path, **over: dict) -> JobConfig:
     raw = {
         "output_dir": "unused",
-        "model": {"path": str(model), "dtype": "float32"},
+        "model": {"path": str(model_dir), "dtype": "float32"},
         "data": {"train": str(data / "train.jsonl")},
         "rewards": [{"name": "exact_match"}],
         "lora": {"rank": 8, "train_merger": True, "train_lm_head": True},
@@ -155,3 +155,14 @@ def test_adapter_holds_only_lora_weights(tiny_model: Path, color_data: Path) -> 
     names = sorted(load(learner.adapter_payload().files["adapter_model.safetensors"]))
     assert names and all(".lora_A." in n or ".lora_B." in n for n in names), names
     assert any("lm_head.lora_A" in n for n in names)
+
+
+def test_engine_payload_uses_the_model_dtype_checkpoints_keep_float32(tiny_model: Path, color_data: Path) -> None:
+    from safetensors.torch import load
+
+    learner = Learner(_cfg(tiny_model, color_data, model={"dtype": "bfloat16"}), device="cpu")
+    engine_weights = load(learner.adapter_payload().files["adapter_model.safetensors"])
+    full_weights = load(learner.adapter_payload(for_engine=False).files["adapter_model.safetensors"])
+    assert engine_weights.keys() == full_weights.keys()
+    assert {t.dtype for t in engine_weights.values()} == {torch.bfloat16}
+    assert {t.dtype for t in full_weights.values()} == {torch.float32}

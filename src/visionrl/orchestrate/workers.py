@@ -137,7 +137,7 @@ class Workers:
     def checkpoint(self, run: Path, step: int, prompts: PromptStream) -> Path:
         from visionrl.checkpoint import save_checkpoint
 
-        payload = ray.get(self.learner.call.remote("adapter_payload"))
+        payload = ray.get(self.learner.call.remote("adapter_payload", False))  # full precision
         state = ray.get(self.learner.call.remote("state_dict"))
         return save_checkpoint(
             run,

@@ -276,11 +276,20 @@ class Learner:
         self.model.save_pretrained(str(path), save_embedding_layers=False)
         return path
 
-    def adapter_payload(self) -> AdapterPayload:
-        """The current adapter as file bytes (for engines, possibly on other nodes)."""
+    def adapter_payload(self, for_engine: bool = True) -> AdapterPayload:
+        """The current adapter as file bytes: for engines (possibly on other nodes), or in full precision
+        (`for_engine=False`) for checkpoints."""
         with tempfile.TemporaryDirectory(prefix="visionrl-adapter-") as tmp:
             self.save_adapter(tmp)
             files = {name: (Path(tmp) / name).read_bytes() for name in ADAPTER_FILES}
+        if for_engine and self.model.dtype != torch.float32:
+            # peft keeps LoRA weights in float32; engines compute in the model's dtype anyway, so the per-step
+            # sync sends them in that dtype: half the bytes (an 8B model's r64 adapter: 666 -> 333 MiB).
+            # Checkpoints and the exported adapter keep float32.
+            from safetensors.torch import load, save
+
+            weights = {k: v.to(self.model.dtype) for k, v in load(files["adapter_model.safetensors"]).items()}
+            files["adapter_model.safetensors"] = save(weights)
         return AdapterPayload(version=self.version, files=files)
 
     # ------------------------------------------------------------------ checkpoint state
