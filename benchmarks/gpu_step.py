@@ -195,7 +195,6 @@ def main() -> None:
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": {
             "gpu": torch.cuda.get_device_name(0),
-            "host": platform.node(),
             "torch": torch.__version__,
         },
         "setup": {
