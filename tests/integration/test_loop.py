@@ -173,3 +173,64 @@ def test_hf_engine_behind_the_same_protocol(tiny_model: Path, color_data: Path, 
     # HF generate reports the processed (sampling) log-probs too: the learner agrees with them.
     assert all(h["rollout/logprob_diff"] < 1e-3 for h in result.history)
     assert (result.adapter_dir / "adapter_model.safetensors").is_file()
+
+
+def test_attaches_to_an_existing_ray_cluster(tiny_model: Path, color_data: Path, tmp_path: Path) -> None:
+    """`ray.address` attaches to a running cluster (here one this test starts and stops) and leaves it running."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from visionrl.orchestrate.loop import train
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    try:
+        cfg = _cfg(
+            tiny_model,
+            color_data,
+            tmp_path / "run",
+            rollout={"engine": "hf", "prompts_per_step": 2},
+            data={"eval": None},
+            train={"steps": 1},
+            ray={"address": cluster.address},
+        )
+        assert train(cfg).steps == 1
+        assert not ray.is_initialized()  # the driver disconnected ...
+        ray.init(address=cluster.address)  # ... and the cluster is still there
+        assert ray.cluster_resources().get("CPU") == 2
+        ray.shutdown()
+    finally:
+        cluster.shutdown()
+
+
+def test_a_dead_worker_stops_the_run_with_a_clear_error(
+    tiny_model: Path, color_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rollout engine dying mid-run ends the run with RunError naming the checkpoint to resume from."""
+    import ray
+
+    from visionrl.errors import RunError
+    from visionrl.orchestrate import workers
+    from visionrl.orchestrate.loop import train
+
+    real_update = workers.Workers.update
+
+    def update_then_kill_engine(self, batch):  # noqa: ANN001, ANN202
+        stats = real_update(self, batch)
+        if stats["adapter_version"] == 2.0:
+            ray.kill(self.engines[0])  # the engine dies before the sync of step 2
+        return stats
+
+    monkeypatch.setattr(workers.Workers, "update", update_then_kill_engine)
+    cfg = _cfg(
+        tiny_model,
+        color_data,
+        tmp_path / "run",
+        rollout={"engine": "hf", "prompts_per_step": 2},
+        data={"eval": None},
+        train={"steps": 3},
+    )
+    with pytest.raises(RunError, match=r"(?s)worker of the run failed.*step_1.*--resume"):
+        train(cfg)
+    assert not ray.is_initialized()
+    lines = (tmp_path / "run" / "history.jsonl").read_text().splitlines()
+    assert len(lines) == 1  # step 1 was logged and checkpointed before the failure; nothing was lost
