@@ -251,9 +251,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _log_to_console() -> None:
+    """visionrl's own INFO lines (placement, resume, skipped records) on stderr, once."""
+    import logging
+
+    log = logging.getLogger("visionrl")
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[visionrl] %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    _log_to_console()
     from visionrl.errors import BAD_INPUT_ERRORS, RunError
 
     try:

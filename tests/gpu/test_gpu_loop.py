@@ -39,3 +39,47 @@ def test_colocated_loop_on_one_gpu(tiny_model: Path, color_data: Path, tmp_path:
     scalars = read_scalars(tmp_path / "run" / "tensorboard")
     assert len(scalars["policy/grad_norm"]) == 3
     assert (result.adapter_dir / "visionrl_manifest.json").is_file()
+
+
+@pytest.mark.parametrize(
+    ("placement", "learner_gpus", "engine_gpus", "same_gpu"),
+    [
+        ("colocated", 0.5, 0.5, True),
+        pytest.param(
+            "split",
+            1,
+            1,
+            False,
+            marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs"),
+        ),
+    ],
+)
+def test_placement_of_learner_and_engine(
+    tiny_model: Path,
+    color_data: Path,
+    tmp_path: Path,
+    placement: str,
+    learner_gpus: float,
+    engine_gpus: float,
+    same_gpu: bool,
+) -> None:
+    import ray
+
+    from visionrl.orchestrate.actors import ray_session, start_actors
+
+    cfg = config_from_dict(
+        {
+            "output_dir": str(tmp_path / "run"),
+            "model": {"path": str(tiny_model), "dtype": "bfloat16"},
+            "data": {"train": str(color_data / "train.jsonl")},
+            "rewards": [{"name": "exact_match"}],
+            "algorithm": {"group_size": 2},
+            "rollout": {"engine": "hf", "prompts_per_step": 2, "gpus_per_engine": engine_gpus},
+            "ray": {"placement": placement, "learner_gpus": learner_gpus},
+        }
+    )
+    with ray_session(cfg.ray):
+        learner, engines, _ = start_actors(cfg)
+        places = ray.get([learner.placement.remote(), engines[0].placement.remote()])
+    assert len(places[0]["gpus"]) == 1 and len(places[1]["gpus"]) == 1
+    assert (places[0]["gpus"] == places[1]["gpus"]) is same_gpu, places

@@ -74,6 +74,9 @@ class LearnerActor:
     def forbidden_token_ids(self) -> list[int]:
         return self.learner.forbidden.tolist()
 
+    def placement(self) -> dict[str, Any]:
+        return _placement()
+
 
 @ray.remote
 class RolloutActor:
@@ -93,6 +96,9 @@ class RolloutActor:
     def adapter_version(self) -> int:
         return self.engine.adapter_version()
 
+    def placement(self) -> dict[str, Any]:
+        return _placement()
+
     def close(self) -> None:
         self.engine.close()
 
@@ -104,6 +110,12 @@ class RewardActor:
 
     def score(self, completions: list[str], records: list[dict]) -> Any:
         return self.fn.score(completions, records)
+
+
+def _placement() -> dict[str, Any]:
+    """Where this actor runs: node and the GPU ids Ray gave it (logged at start, checked by the GPU tests)."""
+    ctx = ray.get_runtime_context()
+    return {"node": ctx.get_node_id()[:8], "gpus": [str(g) for g in ray.get_gpu_ids()]}
 
 
 def make_engine(cfg: JobConfig, forbidden: list[int], seed: int) -> Any:
@@ -163,6 +175,12 @@ def start_actors(cfg: JobConfig) -> tuple[Any, list[Any], list[Any]]:
         RewardActor.options(num_cpus=0).remote(specs, cfg.ray.reward_timeout_s)
         for _ in range(cfg.ray.num_reward_workers)
     ]
-    # Fail early, with the actor's own error, if any of them cannot start.
-    ray.get([e.adapter_version.remote() for e in engines])
+    # Fail early, with the actor's own error, if any of them cannot start; say where each one runs.
+    places = ray.get([learner.placement.remote(), *[e.placement.remote() for e in engines]])
+    logger.info(
+        "placement (%s): learner %s; %s",
+        cfg.ray.placement,
+        places[0],
+        "; ".join(f"engine {i} {p}" for i, p in enumerate(places[1:])),
+    )
     return learner, engines, rewards

@@ -161,7 +161,7 @@ class Workers:
         ray.get(self.learner.call.remote("load_state", str(ckpt.adapter_dir), ckpt.trainer_state))
         prompts.sampler.load_state_dict(ckpt.sampler_state)
         self.sync_adapter()
-        logger.warning("resumed from %s (step %d)", path, ckpt.step)
+        logger.info("resumed from %s (step %d)", path, ckpt.step)
         return ckpt.step
 
     # end of run
