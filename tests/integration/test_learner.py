@@ -157,7 +157,9 @@ def test_adapter_holds_only_lora_weights(tiny_model: Path, color_data: Path) -> 
     assert any("lm_head.lora_A" in n for n in names)
 
 
-def test_engine_payload_uses_the_model_dtype_checkpoints_keep_float32(tiny_model: Path, color_data: Path) -> None:
+def test_engine_payload_uses_the_model_dtype_checkpoints_keep_float32(
+    tiny_model: Path, color_data: Path
+) -> None:
     from safetensors.torch import load
 
     learner = Learner(_cfg(tiny_model, color_data, model={"dtype": "bfloat16"}), device="cpu")
@@ -166,3 +168,14 @@ def test_engine_payload_uses_the_model_dtype_checkpoints_keep_float32(tiny_model
     assert engine_weights.keys() == full_weights.keys()
     assert {t.dtype for t in engine_weights.values()} == {torch.bfloat16}
     assert {t.dtype for t in full_weights.values()} == {torch.float32}
+
+
+def test_entropy_bonus_raises_entropy_when_advantages_are_zero(tiny_model: Path, color_data: Path) -> None:
+    """With zero advantages the only force is the entropy bonus: one update must raise the policy entropy."""
+    learner = Learner(_cfg(tiny_model, color_data, algorithm={"entropy_coef": 1.0}), device="cpu")
+    batch = _batch(learner, color_data)
+    for seq in batch.sequences:
+        seq.advantage = 0.0
+    before = learner.train_step(batch)["policy/entropy"]
+    after = learner.train_step(batch)["policy/entropy"]
+    assert after > before

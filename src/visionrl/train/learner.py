@@ -127,22 +127,10 @@ class Learner:
     def _token_logprobs(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return token_logprobs(logits, ids)
 
-    @torch.no_grad()
     def logprobs(self, batch: TrainBatch, adapter: bool = True) -> list[list[float]]:
         """Log-probs of every sequence's completion tokens (with the adapter, or the base model)."""
-        self.model.eval()
-        encoded = self.encode_prompts(batch.prompts)
-        out: list[list[float]] = [[] for _ in batch.sequences]
-        for mb in self._micro_batches(encoded, batch.sequences, range(len(batch.sequences))):
-            if adapter:
-                lp = self._token_logprobs(self._logits(mb), mb.completion_ids.to(self.device))
-            else:
-                with self.model.disable_adapter():
-                    lp = self._token_logprobs(self._logits(mb), mb.completion_ids.to(self.device))
-            for b, row in enumerate(mb.rows):
-                n = len(batch.sequences[row].completion_ids)
-                out[row] = lp[b, :n].cpu().tolist()
-        return out
+        store = self._precompute(self.encode_prompts(batch.prompts), batch.sequences, adapter)
+        return [store[row][: len(seq.completion_ids)].tolist() for row, seq in enumerate(batch.sequences)]
 
     def _micro_batches(
         self, encoded: list[EncodedPrompt], seqs: list[Sequence], rows: Any
@@ -181,6 +169,7 @@ class Learner:
     def _precompute(
         self, encoded: list[EncodedPrompt], seqs: list[Sequence], adapter: bool
     ) -> dict[int, torch.Tensor]:
+        """No-grad log-probs per sequence row (padded to its micro-batch): old policy or, adapter off, reference."""
         self.model.eval()
         out: dict[int, torch.Tensor] = {}
         for mb in self._micro_batches(encoded, seqs, range(len(seqs))):
@@ -238,13 +227,15 @@ class Learner:
             if ref_lp is not None:
                 kl = aggregate(kl_penalty(lp, ref_lp, algo.kl_kind), mask, algo.loss_aggregation, **norms)
                 total = total + algo.kl_coef * kl
+            # Entropy of the sampling policy: in the loss (with gradient) only when it has a coefficient.
+            with torch.set_grad_enabled(algo.entropy_coef > 0):
+                entropy = entropy_from_logits(logits)
             if algo.entropy_coef > 0:
-                ent_loss = aggregate(entropy_from_logits(logits), mask, algo.loss_aggregation, **norms)
-                total = total - algo.entropy_coef * ent_loss
+                total = total - algo.entropy_coef * aggregate(entropy, mask, algo.loss_aggregation, **norms)
             total.backward()
             w = mb.num_tokens / max(num_tokens, 1.0)  # token-weighted averages of per-micro-batch metrics
             with torch.no_grad():
-                ent = masked_mean(entropy_from_logits(logits), mask)
+                ent = masked_mean(entropy.detach(), mask)
                 diff = masked_mean((lp.detach() - mb.sampling_logprobs.to(self.device)).abs(), mask)
             for k, v in {
                 "loss/policy": loss.item(),
