@@ -224,11 +224,31 @@ def _resolve_adapter(adapter: str | Path) -> Path:
         )
     for candidate in (path, path / "adapter"):
         if all((candidate / name).is_file() for name in ADAPTER_FILES):
+            _check_adapter_files(candidate)
             return candidate
     raise InputError(
         f"adapter '{path}' lacks {' and '.join(ADAPTER_FILES)}; pass a PEFT adapter folder "
         "(saved with safetensors), e.g. RUN_DIR/adapter"
     )
+
+
+def _check_adapter_files(adapter_dir: Path) -> None:
+    """Refuse a damaged adapter before any engine starts: checksums when it has a manifest (an export or a run's
+    final adapter), and in any case weights that safetensors can open."""
+    from safetensors import SafetensorError, safe_open
+
+    from visionrl.export import MANIFEST_NAME, verify_adapter
+
+    if (adapter_dir / MANIFEST_NAME).is_file():
+        verify_adapter(str(adapter_dir))
+    weights = adapter_dir / "adapter_model.safetensors"
+    try:
+        with safe_open(str(weights), "pt") as f:
+            f.keys()
+    except SafetensorError as err:
+        raise InputError(
+            f"{weights} cannot be read ({err}): the file is damaged or incomplete; re-save or re-export the adapter"
+        ) from None
 
 
 def _read_adapter_config(adapter_dir: Path) -> dict[str, Any]:

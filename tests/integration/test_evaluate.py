@@ -345,6 +345,33 @@ def test_evaluate_local_rejects_bad_inputs_before_loading(tiny: dict[str, Path],
     assert not (tmp_path / "r.json").exists()
 
 
+def test_evaluate_local_refuses_a_damaged_adapter(tiny: dict[str, Path], tmp_path: Path) -> None:
+    """A truncated weights file is refused before any engine starts: by checksum when a manifest is there, by
+    the safetensors reader when not."""
+    import shutil
+
+    from visionrl.export import export_adapter
+
+    args = {
+        "base": str(tiny["model"]),
+        "data": str(tiny["data"]),
+        "out": str(tmp_path / "r.json"),
+        "engine": "hf",
+    }
+    exported = tmp_path / "exported"
+    export_adapter(str(tiny["adapter"]), str(exported))
+    weights = exported / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(InputError, match="adapter_model.safetensors.*manifest"):
+        evaluate_local(**{**args, "adapter": str(exported)})
+    bare = tmp_path / "bare"
+    shutil.copytree(exported, bare)
+    (bare / "visionrl_manifest.json").unlink()
+    with pytest.raises(InputError, match="cannot be read.*damaged or incomplete"):
+        evaluate_local(**{**args, "adapter": str(bare)})
+    assert not (tmp_path / "r.json").exists()
+
+
 def test_evaluate_local_finds_the_adapter_inside_a_run_directory(
     tiny: dict[str, Path], hf_reports: dict[str, dict[str, Any]], tmp_path: Path
 ) -> None:
