@@ -34,6 +34,10 @@ class DatasetError(InputError):
     """A data file or record is malformed; the message names the file, line, field and the fix."""
 
 
+class DataFileNotFound(DatasetError, FileNotFoundError):
+    """The data file does not exist (both a user-input error and a FileNotFoundError)."""
+
+
 @dataclass(frozen=True)
 class Sample:
     """One prompt, ready for encoding.
@@ -302,7 +306,10 @@ def load_dataset(
     if max_samples is not None and max_samples < 1:
         raise ValueError(f"max_samples must be >= 1 or None, got {max_samples}")
     if not os.path.isfile(path_str):
-        raise FileNotFoundError(f"data file not found: {path_str}")
+        raise DataFileNotFound(
+            f"data file not found: {path_str}; check the path (data.train / data.eval in a job file, "
+            "relative to the directory you run from), or create data with `visionrl make-data`"
+        )
     is_jsonl = FORMATS[suffix] == "jsonl"
     rows, unit = (_iter_jsonl(path_str), "line") if is_jsonl else (_iter_parquet(path_str), "row")
     base_dir = os.path.dirname(os.path.abspath(path_str))

@@ -43,13 +43,14 @@ def train(cfg: JobConfig, resume: bool = False) -> TrainResult:
             f"output_dir {run} holds checkpoints of an earlier run; continue it with `--resume`, "
             "or set output_dir to a new directory (nothing was overwritten)"
         )
+    prompts_in = PromptStream(cfg)  # data and processor first: bad paths fail in seconds, before Ray
     run.mkdir(parents=True, exist_ok=True)
     (run / "config.yaml").write_text(dump_config(cfg))
     if not resume:
         (run / "history.jsonl").unlink(missing_ok=True)
     try:
         with ray_session(cfg.ray):
-            return _train(cfg, run, resume)
+            return _train(cfg, run, resume, prompts_in)
     except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as err:
         from visionrl.checkpoint import latest_checkpoint
 
@@ -57,18 +58,20 @@ def train(cfg: JobConfig, resume: bool = False) -> TrainResult:
         where = (
             f"the newest checkpoint is {ckpt}; continue with `visionrl train CONFIG --resume`"
             if ckpt
-            else ("no checkpoint was written yet")
+            else "no checkpoint was written yet"
         )
         raise RunError(f"a worker of the run failed: {_first_line(err)}\n{where}") from err
 
 
-def _train(cfg: JobConfig, run: Path, resume: bool) -> TrainResult:
+def _train(cfg: JobConfig, run: Path, resume: bool, prompts_in: PromptStream) -> TrainResult:
     from visionrl.metrics import MetricsWriter, Progress
 
     G, spec, clock = cfg.algorithm.group_size, _sampling_spec(cfg), StepClock()
     with MetricsWriter(run / "tensorboard") as tb:
+        prompts_in = PromptStream(
+            cfg
+        )  # data and processor first: bad paths fail in seconds, before Ray actors
         workers = Workers(*start_actors(cfg), cfg)
-        prompts_in = PromptStream(cfg)
         start = workers.resume(run, prompts_in) if resume else 0
         progress, history, acc, above = Progress(cfg.train.steps, start_step=start), [], None, 0
         for step in range(start + 1, cfg.train.steps + 1):

@@ -35,6 +35,11 @@ class PromptStream:
         self.sampler = PromptSampler(
             self.train, cfg.rollout.prompts_per_step, cfg.train.seed, balance_key=cfg.data.balance_key
         )
+        self._eval_data = None
+        if cfg.data.eval is not None:
+            self._eval_data = load_dataset(
+                cfg.data.eval, on_bad_image=cfg.data.on_bad_image, max_samples=cfg.data.max_eval_samples
+            )
         self._eval: list[PromptItem] | None = None
 
     def next_batch(self) -> list[PromptItem]:
@@ -44,15 +49,10 @@ class PromptStream:
         return build_prompt(sample, self.processor, self.cfg.data.system_prompt)
 
     def eval_prompts(self) -> list[PromptItem]:
-        if self.cfg.data.eval is None:
+        if self._eval_data is None:
             return []
         if self._eval is None:
-            ds = load_dataset(
-                self.cfg.data.eval,
-                on_bad_image=self.cfg.data.on_bad_image,
-                max_samples=self.cfg.data.max_eval_samples,
-            )
-            self._eval = [self._prompt(s) for s in ds]
+            self._eval = [self._prompt(s) for s in self._eval_data]
         return self._eval
 
 
