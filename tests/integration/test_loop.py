@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -175,13 +177,18 @@ def test_hf_engine_behind_the_same_protocol(tiny_model: Path, color_data: Path, 
     assert (result.adapter_dir / "adapter_model.safetensors").is_file()
 
 
-def test_attaches_to_an_existing_ray_cluster(tiny_model: Path, color_data: Path, tmp_path: Path) -> None:
+def test_attaches_to_an_existing_ray_cluster(
+    tiny_model: Path, color_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`ray.address` attaches to a running cluster (here one this test starts and stops) and leaves it running."""
     import ray
     from ray.cluster_utils import Cluster
 
     from visionrl.orchestrate.loop import train
 
+    # A short temp dir of its own (Ray's socket paths must stay short), removed with the cluster.
+    temp_dir = tempfile.mkdtemp(prefix="vrl-ray-test-", dir="/tmp")
+    monkeypatch.setenv("RAY_TMPDIR", temp_dir)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
     try:
         cfg = _cfg(
@@ -200,6 +207,7 @@ def test_attaches_to_an_existing_ray_cluster(tiny_model: Path, color_data: Path,
         ray.shutdown()
     finally:
         cluster.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def test_a_dead_worker_stops_the_run_with_a_clear_error(
