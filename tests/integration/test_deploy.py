@@ -1,0 +1,153 @@
+"""Deployment recipes: the Slurm (HyperPod) launcher against a fake one-node Slurm, the KubeRay job, the image.
+
+The launcher test is real apart from Slurm itself: `srun`/`scontrol` are small stand-ins that run commands on
+this machine (each srun step in its own process group, ended like Slurm ends a step), the Ray cluster is real,
+and the command it runs is a real `visionrl train` that attaches through RAY_ADDRESS.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+
+FAKE_SRUN = """#!/usr/bin/env bash
+# Stand-in for srun: drop srun's options, run the command here in its own process group; on TERM/INT end the
+# whole group, as Slurm ends the processes of a job step.
+while [[ $# -gt 0 && $1 == -* ]]; do case $1 in -w|-N|-n) shift 2;; *) shift;; esac; done
+setsid "$@" & child=$!
+echo "$child" >> "$FAKE_SLURM_PGIDS"
+trap 'kill -TERM -$child 2>/dev/null; sleep 2; kill -KILL -$child 2>/dev/null; exit 0' TERM INT
+wait $child
+"""
+FAKE_SCONTROL = """#!/usr/bin/env bash
+[[ $1 == show && $2 == hostnames ]] && tr ',' '\\n' <<< "$3"
+"""
+
+
+def _free_port_pair() -> int:
+    """A port p with p and p+1 free, above Ray's worker port range (10002-19999)."""
+    for _ in range(200):
+        port = random.randint(20000, 29000)
+        try:
+            for p in (port, port + 1):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free port pair found")
+
+
+def _kill_groups(pgid_file: Path) -> None:
+    if not pgid_file.exists():
+        return
+    for line in pgid_file.read_text().split():
+        try:
+            os.killpg(int(line), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.mark.slow
+def test_slurm_launcher_runs_visionrl_train_on_its_ray_cluster(
+    tiny_model: Path, color_data: Path, tmp_path: Path
+) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    ray_tmp = tempfile.mkdtemp(prefix="vrl-slurm-", dir="/tmp")  # Ray's socket paths must stay short
+    pgids = tmp_path / "pgids"
+    venv_bin = str(Path(sys.executable).parent)
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{venv_bin}:{os.environ['PATH']}",
+        "FAKE_SLURM_PGIDS": str(pgids),
+        "SLURM_JOB_NODELIST": "localhost",
+        "SLURM_JOB_ID": "4242",
+        "VISIONRL_RAY_HEAD_IP": "127.0.0.1",
+        "VISIONRL_RAY_PORT": str(_free_port_pair()),
+        "VISIONRL_RAY_TMP": ray_tmp,
+        "VISIONRL_RAY_WAIT_S": "90",
+    }
+    env.pop("RAY_ADDRESS", None)
+    run = tmp_path / "run"
+    cmd = [
+        str(REPO / "deploy" / "slurm" / "ray_cluster.sh"), "--",
+        "visionrl", "train", str(REPO / "configs" / "demo.yaml"),
+        f"output_dir={run}", f"model.path={tiny_model}", f"data.train={color_data / 'train.jsonl'}",
+        "data.eval=null", "train.steps=1", "rollout.engine=hf", "rollout.prompts_per_step=2", "ray.num_cpus=null",
+    ]  # fmt: skip
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 0, out[-3000:]
+        assert "1/1 node(s) joined" in out
+        assert "Connecting to existing Ray cluster" in out  # visionrl attached through RAY_ADDRESS
+        assert (run / "adapter" / "visionrl_manifest.json").is_file()
+        assert len((run / "history.jsonl").read_text().splitlines()) == 1
+        # Every process of the cluster ended with the launcher.
+        alive = subprocess.run(["pgrep", "-f", ray_tmp], capture_output=True, text=True).stdout.split()
+        assert not alive, f"Ray processes left running: {alive}"
+    finally:
+        _kill_groups(pgids)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def test_slurm_launcher_refuses_to_run_outside_an_allocation(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    proc = subprocess.run(
+        [str(REPO / "deploy" / "slurm" / "ray_cluster.sh"), "--", "true"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 2
+    assert "inside a Slurm allocation" in proc.stderr
+
+
+def test_sbatch_script_runs_the_launcher_with_visionrl_train() -> None:
+    text = (REPO / "deploy" / "slurm" / "visionrl.sbatch").read_text()
+    assert "#SBATCH --nodes=" in text and "#SBATCH --gpus-per-node=" in text
+    assert "deploy/slurm/ray_cluster.sh -- visionrl train" in text
+    proc = subprocess.run(
+        ["bash", "-n", str(REPO / "deploy" / "slurm" / "visionrl.sbatch")], capture_output=True
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_kuberay_job_runs_the_production_config_from_the_image() -> None:
+    job = yaml.safe_load((REPO / "deploy" / "kuberay" / "rayjob.yaml").read_text())
+    assert job["apiVersion"] == "ray.io/v1" and job["kind"] == "RayJob"
+    spec = job["spec"]
+    entry = spec["entrypoint"].split()
+    assert entry[:2] == ["visionrl", "train"]
+    config = entry[2].removeprefix("/workspace/")
+    assert (REPO / config).is_file(), f"the entrypoint's job file {config} is not in the repository"
+    cluster = spec["rayClusterSpec"]
+    head = cluster["headGroupSpec"]["template"]["spec"]["containers"][0]
+    workers = cluster["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
+    assert head["image"] == workers["image"]
+    assert int(workers["resources"]["limits"]["nvidia.com/gpu"]) >= 1
+    assert spec.get("shutdownAfterJobFinishes") is True
+
+
+def test_dockerfile_installs_the_package_with_vllm() -> None:
+    text = (REPO / "deploy" / "Dockerfile").read_text()
+    assert "COPY pyproject.toml" in text and "COPY src" in text and "COPY configs" in text
+    assert ".[gpu]" in text  # vLLM (CUDA build) comes with the gpu extra
+    assert 'ENTRYPOINT ["visionrl"]' in text
