@@ -242,3 +242,58 @@ def test_a_dead_worker_stops_the_run_with_a_clear_error(
     assert not ray.is_initialized()
     lines = (tmp_path / "run" / "history.jsonl").read_text().splitlines()
     assert len(lines) == 1  # step 1 was logged and checkpointed before the failure; nothing was lost
+
+
+def test_ctrl_c_stops_cleanly_and_the_run_resumes(tiny_model: Path, color_data: Path, tmp_path: Path) -> None:
+    """SIGINT mid-run: exit 130, every process of the run gone, checkpoints intact; --resume continues after them."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    run = tmp_path / "run"
+    visionrl = str(Path(sys.executable).parent / "visionrl")
+    args = [
+        str(Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"),
+        f"output_dir={run}", f"model.path={tiny_model}", f"data.train={color_data / 'train.jsonl'}",
+        "data.eval=null", "rollout.engine=hf", "rollout.prompts_per_step=2", "logging.save_every=1",
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        [visionrl, "train", *args, "train.steps=500"],
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    history = run / "history.jsonl"
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and proc.poll() is None:
+            if history.exists() and len(history.read_text().splitlines()) >= 3:
+                break
+            time.sleep(0.5)
+        assert proc.poll() is None, proc.communicate()[0][-2000:]
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends to the foreground group
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, out[-2000:]
+    assert "interrupted" in out
+    left = subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    assert not left, f"processes of the run still alive: {left}"
+    from visionrl.checkpoint import latest_checkpoint, load_checkpoint
+
+    ckpt = load_checkpoint(latest_checkpoint(run))
+    steps_done = len(history.read_text().splitlines())
+    assert ckpt.step >= 2 and ckpt.step <= steps_done
+    resumed = subprocess.run(
+        [visionrl, "train", *args, f"train.steps={ckpt.step + 1}", "--resume"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    steps = [json.loads(line)["step"] for line in history.read_text().splitlines()]
+    assert steps == list(range(1, ckpt.step + 2))  # no step twice, none missing

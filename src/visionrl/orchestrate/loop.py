@@ -73,6 +73,7 @@ def _train(cfg: JobConfig, run: Path, resume: bool, prompts_in: PromptStream) ->
         )  # data and processor first: bad paths fail in seconds, before Ray actors
         workers = Workers(*start_actors(cfg), cfg)
         start = workers.resume(run, prompts_in) if resume else 0
+        _trim_history(run / "history.jsonl", start)  # steps after the checkpoint will be run again
         progress, history, acc, above = Progress(cfg.train.steps, start_step=start), [], None, 0
         for step in range(start + 1, cfg.train.steps + 1):
             clock.start()
@@ -112,6 +113,12 @@ def _train(cfg: JobConfig, run: Path, resume: bool, prompts_in: PromptStream) ->
 def _first_line(err: BaseException) -> str:
     text = str(err).strip().splitlines()
     return text[0] if text else type(err).__name__
+
+
+def _trim_history(path: Path, last_step: int) -> None:
+    if path.exists():
+        keep = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= last_step]
+        path.write_text("".join(line + "\n" for line in keep))
 
 
 class StepClock:
