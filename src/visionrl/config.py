@@ -122,7 +122,12 @@ class AlgorithmConfig(_Section):
     kl_kind: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator per token.")
     entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus weight (subtracted from the loss).")
     dynamic_sampling: bool = Field(
-        False, description="DAPO: drop groups whose rewards are all equal (no signal) before the update."
+        False,
+        description="DAPO dynamic sampling: train only on groups whose rewards differ (the others carry no signal), "
+        "sampling more prompts (up to max_sampling_rounds batches) to fill the step.",
+    )
+    max_sampling_rounds: int = Field(
+        3, ge=1, description="With dynamic_sampling: batches of prompts sampled per step, at most."
     )
     updates_per_batch: int = Field(1, ge=1, description="Optimizer steps per rollout batch (mini-batches).")
 

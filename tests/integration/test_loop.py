@@ -297,3 +297,27 @@ def test_ctrl_c_stops_cleanly_and_the_run_resumes(tiny_model: Path, color_data: 
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     steps = [json.loads(line)["step"] for line in history.read_text().splitlines()]
     assert steps == list(range(1, ckpt.step + 2))  # no step twice, none missing
+
+
+def test_dynamic_sampling_runs_and_skips_steps_without_signal(
+    tiny_model: Path, color_data: Path, tmp_path: Path
+) -> None:
+    """The random tiny model almost never says a colour: every group is all-zero, so dynamic sampling keeps none,
+    samples the maximum rounds, and no update (and no sync) happens; the run still completes and logs."""
+    from visionrl.orchestrate.loop import train
+
+    cfg = _cfg(
+        tiny_model,
+        color_data,
+        tmp_path / "run",
+        rollout={"prompts_per_step": 4},
+        algorithm={"dynamic_sampling": True, "max_sampling_rounds": 2},
+        data={"eval": None},
+    )
+    result = train(cfg)
+    for h in result.history:
+        if h["reward/zero_std_fraction"] == 1.0:
+            assert h["rollout/groups_kept"] == 0.0 and h["rollout/sampling_rounds"] == 2.0
+    versions = [h["rollout/adapter_version"] for h in result.history]
+    updates = [h["rollout/groups_kept"] > 0 for h in result.history]
+    assert versions[1] == (1.0 if updates[0] else 0.0)  # the engine moves on only after an update

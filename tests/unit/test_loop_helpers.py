@@ -6,22 +6,9 @@ import pytest
 import torch
 
 from visionrl.config import config_from_dict
-from visionrl.orchestrate.loop import StepClock, _step_metrics, _train_batch
+from visionrl.orchestrate.loop import StepClock, _collect, _step_metrics, _train_batch
 from visionrl.rewards import RewardResult
-from visionrl.rollout.types import Completion, PromptItem
-
-
-def _cfg(dynamic: bool):  # noqa: ANN202
-    return config_from_dict(
-        {
-            "output_dir": "x",
-            "model": {"path": "m"},
-            "data": {"train": "t.jsonl"},
-            "rewards": [{"name": "exact_match"}],
-            "algorithm": {"group_size": 2, "dynamic_sampling": dynamic},
-            "rollout": {"prompts_per_step": 3},
-        }
-    )
+from visionrl.rollout.types import Completion, PromptItem, SamplingSpec
 
 
 def _groups() -> list[list[Completion]]:
@@ -43,15 +30,99 @@ def _groups() -> list[list[Completion]]:
     return out
 
 
-@pytest.mark.parametrize("dynamic", [False, True])
-def test_train_batch_drops_groups_without_signal_only_with_dynamic_sampling(dynamic: bool) -> None:
-    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0])  # prompt 0 has signal; prompts 1 and 2 do not
-    adv = torch.tensor([0.7, -0.7, 0.0, 0.0, 0.0, 0.0])
-    prompts = [PromptItem(text=f"p{i}", images=[]) for i in range(3)]
-    batch = _train_batch(prompts, _groups(), adv, rewards, _cfg(dynamic))
-    kept = sorted({s.prompt for s in batch.sequences})
-    assert kept == ([0] if dynamic else [0, 1, 2])
-    assert [s.advantage for s in batch.sequences if s.prompt == 0] == pytest.approx([0.7, -0.7])
+class _FakeStream:
+    """Batches of 2 prompts named p0, p1, p2, ..."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def next_batch(self) -> list[PromptItem]:
+        self.n += 2
+        return [PromptItem(text=f"p{self.n - 2 + k}", images=[]) for k in range(2)]
+
+
+class _FakeWorkers:
+    """Completions whose rewards follow `pattern[prompt index]` (a group of 2): (1, 0) has signal, (1, 1) not."""
+
+    def __init__(self, pattern: dict[int, tuple[float, float]]) -> None:
+        self.pattern = pattern
+
+    def rollout(self, prompts: list[PromptItem], spec) -> list[list[Completion]]:  # noqa: ANN001
+        return [
+            [Completion(i, [1, 2], p.text, [-0.1, -0.2], "stop") for _ in range(2)]
+            for i, p in enumerate(prompts)
+        ]
+
+    def score(self, prompts: list[PromptItem], groups: list[list[Completion]]) -> RewardResult:
+        total = [r for p in prompts for r in self.pattern[int(p.text[1:])]]
+        return RewardResult(
+            total=total,
+            per_reward={"r": total},
+            num_errors={"r": 0},
+            num_timeouts={"r": 0},
+            error_examples={},
+        )
+
+
+def _cfg2(dynamic: bool, rounds: int = 3):  # noqa: ANN202
+    return config_from_dict(
+        {
+            "output_dir": "x",
+            "model": {"path": "m"},
+            "data": {"train": "t.jsonl"},
+            "rewards": [{"name": "exact_match"}],
+            "algorithm": {"group_size": 2, "dynamic_sampling": dynamic, "max_sampling_rounds": rounds},
+            "rollout": {"prompts_per_step": 2},
+        }
+    )
+
+
+SIGNAL, FLAT = (1.0, 0.0), (1.0, 1.0)
+
+
+def test_collect_without_dynamic_sampling_keeps_one_batch_whole() -> None:
+    workers = _FakeWorkers({0: FLAT, 1: SIGNAL})
+    got = _collect(_FakeStream(), workers, SamplingSpec(n=2), _cfg2(False), StepClock())
+    assert (
+        [p.text for p in got.prompts] == ["p0", "p1"]
+        and got.keep.tolist() == [True, True]
+        and got.rounds == 1
+    )
+
+
+def test_collect_with_dynamic_sampling_samples_until_the_step_is_full_of_signal() -> None:
+    # round 1: p0 flat, p1 signal; round 2: p2 flat, p3 signal -> 2 groups with signal, stop after 2 rounds.
+    workers = _FakeWorkers({0: FLAT, 1: SIGNAL, 2: FLAT, 3: SIGNAL, 4: SIGNAL, 5: SIGNAL})
+    got = _collect(_FakeStream(), workers, SamplingSpec(n=2), _cfg2(True), StepClock())
+    assert got.rounds == 2
+    assert [p.text for p in got.prompts] == ["p0", "p1", "p2", "p3"]
+    assert got.keep.tolist() == [False, True, False, True]
+    assert got.rewards.tolist() == [1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 0.0]  # metrics see every sampled group
+    batch = _train_batch(
+        got.prompts, got.completions, torch.tensor([0.0, 0, 0.7, -0.7, 0, 0, 0.7, -0.7]), got.keep, 2
+    )
+    assert [s.prompt for s in batch.sequences] == [1, 1, 3, 3]
+    assert [s.advantage for s in batch.sequences] == pytest.approx([0.7, -0.7, 0.7, -0.7])
+
+
+def test_collect_stops_after_max_rounds_and_drops_surplus_groups() -> None:
+    # only flat groups for 2 rounds (max): nothing to train on; surplus: 3 signal groups found for 2 slots.
+    flat = _collect(
+        _FakeStream(),
+        _FakeWorkers({i: FLAT for i in range(10)}),
+        SamplingSpec(n=2),
+        _cfg2(True, rounds=2),
+        StepClock(),
+    )
+    assert flat.rounds == 2 and flat.keep.tolist() == [False] * 4
+    surplus = _collect(
+        _FakeStream(),
+        _FakeWorkers({0: FLAT, 1: SIGNAL, 2: SIGNAL, 3: SIGNAL}),
+        SamplingSpec(n=2),
+        _cfg2(True),
+        StepClock(),
+    )
+    assert surplus.keep.tolist() == [False, True, True, False]
 
 
 def test_step_metrics_by_hand() -> None:
@@ -63,7 +134,7 @@ def test_step_metrics_by_hand() -> None:
         num_timeouts={"exact_match": 0},
         error_examples={},
     )
-    m = _step_metrics(rewards, _groups(), scores, {"loss/policy": 0.25, "update_s": 9.0}, 2, 2)
+    m = _step_metrics(rewards, _groups(), scores, {"loss/policy": 0.25, "update_s": 9.0}, 2, 1)
     assert m["reward/mean"] == pytest.approx(0.5)
     assert m["reward/std"] == pytest.approx(0.5)  # population std of three 1s and three 0s
     assert m["reward/zero_std_fraction"] == pytest.approx(2 / 3)
@@ -71,7 +142,7 @@ def test_step_metrics_by_hand() -> None:
     assert m["response/length_max"] == 6.0
     assert m["response/truncated_fraction"] == pytest.approx(1 / 6)
     assert m["response/tokens"] == 21.0
-    assert m["rollout/groups_kept"] == 1.0  # 2 sequences of group size 2
+    assert m["rollout/groups_kept"] == 1.0
     assert m["reward/errors"] == 1.0
     assert m["loss/policy"] == 0.25 and "update_s" not in m  # learner metrics without a '/' stay out
 

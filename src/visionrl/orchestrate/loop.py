@@ -18,8 +18,9 @@ from visionrl.algo import group_advantages, group_stats, groups_with_signal
 from visionrl.config import JobConfig, dump_config
 from visionrl.errors import InputError, RunError
 from visionrl.orchestrate.actors import ray_session, start_actors
-from visionrl.orchestrate.workers import PromptStream, Workers, rollout_samples
-from visionrl.rollout.types import SamplingSpec
+from visionrl.orchestrate.workers import PromptStream, Workers, merge_results, rollout_samples
+from visionrl.rewards import RewardResult
+from visionrl.rollout.types import Completion, PromptItem, SamplingSpec
 from visionrl.train.batching import Sequence
 from visionrl.train.learner import TrainBatch
 
@@ -68,29 +69,27 @@ def _train(cfg: JobConfig, run: Path, resume: bool, prompts_in: PromptStream) ->
 
     G, spec, clock = cfg.algorithm.group_size, _sampling_spec(cfg), StepClock()
     with MetricsWriter(run / "tensorboard") as tb:
-        prompts_in = PromptStream(
-            cfg
-        )  # data and processor first: bad paths fail in seconds, before Ray actors
         workers = Workers(*start_actors(cfg), cfg)
         start = workers.resume(run, prompts_in) if resume else 0
         _trim_history(run / "history.jsonl", start)  # steps after the checkpoint will be run again
         progress, history, acc, above = Progress(cfg.train.steps, start_step=start), [], None, 0
         for step in range(start + 1, cfg.train.steps + 1):
             clock.start()
-            prompts = prompts_in.next_batch()  # 1. sample prompts
-            with clock("rollout"):  # 2. rollout: group_size completions per prompt, current adapter
-                completions = workers.rollout(prompts, replace(spec, seed=cfg.train.seed * 100_003 + step))
-            with clock("reward"):  # 3. reward
-                scores = workers.score(prompts, completions)
-            rewards = torch.tensor(scores.total, dtype=torch.float32)
+            # 1-3. sample prompts, roll out group_size completions each, reward them (see _collect)
+            got = _collect(
+                prompts_in, workers, replace(spec, seed=cfg.train.seed * 100_003 + step), cfg, clock
+            )
+            prompts, completions, scores, rewards = got.prompts, got.completions, got.scores, got.rewards
             adv = group_advantages(rewards, G, scale=cfg.algorithm.advantage_scale)  # 4. advantages
-            batch = _train_batch(prompts, completions, adv, rewards, cfg)
+            batch = _train_batch(prompts, completions, adv, got.keep, G)
             with clock("update"):  # 5. learner update
                 stats = workers.update(batch) if batch.sequences else {}
-            with clock("sync"):  # 6. sync: the new adapter version to every engine
-                workers.sync_adapter()
+            with clock("sync"):  # 6. sync: the new adapter version to every engine (if there was an update)
+                if stats:
+                    workers.sync_adapter()
             m = {
-                **_step_metrics(rewards, completions, scores, stats, G, len(batch.sequences)),
+                **_step_metrics(rewards, completions, scores, stats, G, int(got.keep.sum())),
+                "rollout/sampling_rounds": float(got.rounds),
                 **clock.metrics(),
             }
             if step % cfg.logging.eval_every == 0 or step == cfg.train.steps:  # 7. log, maybe evaluate ...
@@ -136,8 +135,8 @@ class StepClock:
         self._phase = phase
         return self
 
-    def __enter__(self) -> None:
-        self._times[self._phase] = -time.perf_counter()
+    def __enter__(self) -> None:  # a phase may run several times in a step: times add up
+        self._times[self._phase] = self._times.get(self._phase, 0.0) - time.perf_counter()
 
     def __exit__(self, *exc: object) -> None:
         self._times[self._phase] += time.perf_counter()
@@ -158,29 +157,70 @@ def _sampling_spec(cfg: JobConfig) -> SamplingSpec:
     )
 
 
-def _train_batch(
-    prompts, completions, adv: torch.Tensor, rewards: torch.Tensor, cfg: JobConfig
-) -> TrainBatch:  # noqa: ANN001
-    """Flatten groups into sequences; with dynamic sampling (DAPO) drop groups whose rewards are all equal."""
-    G = cfg.algorithm.group_size
-    keep = (
-        groups_with_signal(rewards, G)
-        if cfg.algorithm.dynamic_sampling
-        else torch.ones(len(prompts), dtype=torch.bool)
+@dataclass
+class Collected:
+    """The rollouts of one step: groups in order, their scores, and which groups the update uses."""
+
+    prompts: list[PromptItem]
+    completions: list[list[Completion]]
+    scores: RewardResult
+    rewards: torch.Tensor  # [num_groups * group_size]
+    keep: torch.Tensor  # [num_groups] bool
+    rounds: int
+
+
+def _collect(
+    prompts_in: PromptStream, workers: Workers, spec: SamplingSpec, cfg: JobConfig, clock: StepClock
+) -> Collected:
+    """Phases 1-3 of a step. Without dynamic sampling: one batch of prompts, every group kept. With it (DAPO):
+    only groups whose rewards differ are kept, and further batches are sampled (at most max_sampling_rounds)
+    until prompts_per_step such groups are found; surplus groups are dropped. Metrics cover every sampled group."""
+    G, want = cfg.algorithm.group_size, cfg.rollout.prompts_per_step
+    rounds_max = cfg.algorithm.max_sampling_rounds if cfg.algorithm.dynamic_sampling else 1
+    prompts, completions, parts, keep = [], [], [], []
+    for r in range(rounds_max):
+        batch = prompts_in.next_batch()  # 1. sample prompts
+        with clock("rollout"):  # 2. rollout with the current adapter
+            groups = workers.rollout(batch, replace(spec, seed=None if spec.seed is None else spec.seed + r))
+        with clock("reward"):  # 3. reward
+            scores = workers.score(batch, groups)
+        rewards = torch.tensor(scores.total, dtype=torch.float32)
+        signal = (
+            groups_with_signal(rewards, G)
+            if cfg.algorithm.dynamic_sampling
+            else torch.ones(len(batch), dtype=torch.bool)
+        )
+        for ok in signal.tolist():
+            keep.append(ok and sum(keep) < want)
+        prompts += batch
+        completions += groups
+        parts.append(scores)
+        if sum(keep) >= want:
+            break
+    scores = merge_results(parts)
+    return Collected(
+        prompts,
+        completions,
+        scores,
+        torch.tensor(scores.total, dtype=torch.float32),
+        torch.tensor(keep, dtype=torch.bool),
+        r + 1,
     )
-    seqs = []
-    for i, group in enumerate(completions):
-        if not keep[i]:
-            continue
-        for j, c in enumerate(group):
-            seqs.append(
-                Sequence(
-                    prompt=i,
-                    completion_ids=c.token_ids,
-                    advantage=float(adv[i * G + j]),
-                    sampling_logprobs=c.logprobs,
-                )
-            )
+
+
+def _train_batch(prompts, completions, adv: torch.Tensor, keep: torch.Tensor, G: int) -> TrainBatch:  # noqa: ANN001
+    """Flatten the kept groups into sequences (each names its prompt)."""
+    seqs = [
+        Sequence(
+            prompt=i,
+            completion_ids=c.token_ids,
+            advantage=float(adv[i * G + j]),
+            sampling_logprobs=c.logprobs,
+        )
+        for i, group in enumerate(completions)
+        if keep[i]
+        for j, c in enumerate(group)
+    ]
     return TrainBatch(prompts=prompts, sequences=seqs)
 
 
@@ -198,7 +238,7 @@ def _step_metrics(rewards, completions, scores, stats: dict, G: int, n_kept: int
         "response/length_max": float(lengths.max()),
         "response/truncated_fraction": sum(c.truncated for c in flat) / len(flat),
         "response/tokens": float(lengths.sum()),
-        "rollout/groups_kept": n_kept / G,
+        "rollout/groups_kept": float(n_kept),
         "rollout/adapter_version": float(flat[0].adapter_version),
     }
     for name, values in scores.per_reward.items():

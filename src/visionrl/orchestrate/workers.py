@@ -99,7 +99,7 @@ class Workers:
                 if t
             ]
         )
-        return _merge_results(parts)
+        return merge_results(parts)
 
     # 5. learner update
     def update(self, batch: TrainBatch) -> dict[str, float]:
@@ -195,7 +195,8 @@ def _reward_record(p: PromptItem) -> dict[str, Any]:
     return record
 
 
-def _merge_results(parts: list[RewardResult]) -> RewardResult:
+def merge_results(parts: list[RewardResult]) -> RewardResult:
+    """One RewardResult of several consecutive parts (reward workers, or sampling rounds)."""
     if len(parts) == 1:
         return parts[0]
     first = parts[0]

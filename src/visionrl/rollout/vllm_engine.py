@@ -118,6 +118,8 @@ class VLLMEngine:
     def load_adapter(self, payload: AdapterPayload) -> int:
         from vllm.lora.request import LoRARequest
 
+        if self._lora is not None and payload.version == self._version:
+            return self._version  # already served (a LoRA id must never be reused for other weights)
         path = self._dir / f"v{payload.version}"
         path.mkdir(parents=True, exist_ok=True)
         for name, data in payload.files.items():
