@@ -31,6 +31,12 @@ def nearest_rank(values: Sequence[float], percent: int) -> float | None:
     return ordered[max(1, math.ceil(percent * len(ordered) / 100)) - 1]
 
 
+def accuracy(records: list[dict[str, Any]]) -> float:
+    """Correct answers over the samples that did not fail (an error, not a wrong answer); 0.0 if all failed."""
+    done = [r for r in records if r["error"] is None]
+    return sum(bool(r["correct"]) for r in done) / len(done) if done else 0.0
+
+
 def summarize(
     records: list[dict[str, Any]],
     *,
@@ -62,7 +68,7 @@ def summarize(
         "num_samples": len(records),
         "num_failed": num_failed,
         "num_correct": num_correct,
-        "accuracy": num_correct / len(done) if done else 0.0,
+        "accuracy": accuracy(records),
         "mean_reward": sum(float(r["reward"]) for r in done) / len(done) if done else None,
         "latency_ms_p50": nearest_rank(latencies, 50),
         "latency_ms_p95": nearest_rank(latencies, 95),

@@ -37,14 +37,20 @@ from visionrl.eval_report import nearest_rank as nearest_rank
 from visionrl.eval_report import render_markdown as render_markdown
 from visionrl.eval_report import summarize, write_report
 from visionrl.rewards import CombinedReward, RewardSpec, build_reward_fn
-from visionrl.rollout.types import AdapterPayload, Completion, PromptItem, SamplingSpec
+from visionrl.rollout.types import (
+    ADAPTER_FILES,
+    ADAPTER_WEIGHTS,
+    AdapterPayload,
+    Completion,
+    PromptItem,
+    SamplingSpec,
+)
 
 logger = logging.getLogger(__name__)
 
 # What a rollout engine raises for a prompt it cannot serve (too long, an image it rejects, an internal
 # engine error after its own retry). Such a prompt becomes a failed record; other exceptions are bugs.
 GENERATION_ERRORS: tuple[type[Exception], ...] = (RuntimeError, ValueError)
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 ENGINES = ("vllm", "hf")
 
 
@@ -241,7 +247,7 @@ def _check_adapter_files(adapter_dir: Path) -> None:
 
     if (adapter_dir / MANIFEST_NAME).is_file():
         verify_adapter(str(adapter_dir))
-    weights = adapter_dir / "adapter_model.safetensors"
+    weights = adapter_dir / ADAPTER_WEIGHTS
     try:
         with safe_open(str(weights), "pt") as f:
             f.keys()

@@ -27,14 +27,13 @@ from visionrl import __version__
 from visionrl.checkpoint import ADAPTER_DIR, CHECKPOINTS_DIR, latest_checkpoint, verify_checkpoint
 from visionrl.checkpoint import MANIFEST as CHECKPOINT_MANIFEST
 from visionrl.errors import InputError
+from visionrl.rollout.types import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from visionrl.servable import check_servable
 from visionrl.storage import filesystem
 from visionrl.storage import is_local as _is_local
 
 MANIFEST_NAME = "visionrl_manifest.json"
 FORMAT_VERSION = 1
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 RUN_CONFIG = "config.yaml"
 FINAL_EVAL = Path("eval") / "final.json"
 _CHUNK = 1 << 20

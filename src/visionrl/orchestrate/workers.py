@@ -117,6 +117,7 @@ class Workers:
     def evaluate(self, prompts: list[PromptItem]) -> float | None:
         if not prompts:
             return None
+        from visionrl.eval_report import accuracy
         from visionrl.evaluate import evaluate_prompts
         from visionrl.orchestrate.actors import reward_specs
 
@@ -130,8 +131,7 @@ class Workers:
             self._eval_reward,
             max_tokens=self.cfg.rollout.max_new_tokens,
         )
-        ok = [r for r in records if r.get("error") is None]
-        return sum(bool(r["correct"]) for r in ok) / max(1, len(ok))
+        return accuracy(records)
 
     # 7. checkpoint
     def checkpoint(self, run: Path, step: int, prompts: PromptStream) -> Path:

@@ -7,15 +7,20 @@ so it runs where vLLM cannot be installed and serves as the GPU benchmark's engi
 from __future__ import annotations
 
 import json
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from visionrl.config import LoraConfig
 from visionrl.models.loader import apply_lora, load_base_model, load_processor
-from visionrl.rollout.types import AdapterPayload, Completion, PromptItem, SamplingSpec
+from visionrl.rollout.types import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    AdapterPayload,
+    Completion,
+    PromptItem,
+    SamplingSpec,
+)
 
 
 class HFEngine:
@@ -60,7 +65,7 @@ class HFEngine:
         from peft import set_peft_model_state_dict
         from safetensors.torch import load as load_safetensors
 
-        weights = load_safetensors(payload.files["adapter_model.safetensors"])
+        weights = load_safetensors(payload.files[ADAPTER_WEIGHTS])
         self.model.unmerge_adapter()
         modules = dict(self.model.named_modules())
         with torch.no_grad():
@@ -68,7 +73,7 @@ class HFEngine:
                 modules[name].base_layer.weight.copy_(weight)
         result = set_peft_model_state_dict(self.model, weights)
         if getattr(result, "unexpected_keys", None):
-            cfg = json.loads(payload.files["adapter_config.json"])
+            cfg = json.loads(payload.files[ADAPTER_CONFIG])
             raise ValueError(
                 f"adapter v{payload.version} does not fit this engine's LoRA layout "
                 f"(unexpected {result.unexpected_keys[:3]}...; adapter targets {cfg.get('target_modules')})"
@@ -128,12 +133,3 @@ class HFEngine:
 
     def close(self) -> None:
         self.model = None
-
-
-def save_payload(payload: AdapterPayload, path: str | Path | None = None) -> Path:
-    """Write an adapter payload to a directory (a temp dir by default)."""
-    out = Path(path) if path else Path(tempfile.mkdtemp(prefix=f"visionrl-adapter-v{payload.version}-"))
-    out.mkdir(parents=True, exist_ok=True)
-    for name, data in payload.files.items():
-        (out / name).write_bytes(data)
-    return out

@@ -51,6 +51,12 @@ class Completion:
         return self.finish_reason == "length"
 
 
+# The files of a PEFT LoRA adapter that visionrl moves around (sync, checkpoints, export, evaluation).
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS)
+
+
 @dataclass
 class AdapterPayload:
     """A LoRA adapter version as file bytes (adapter_config.json, adapter_model.safetensors), so it can travel

@@ -93,7 +93,6 @@ class VLLMEngine:
         self._cpu = cpu_only()
         if self._cpu:
             set_cpu_env(kv_cache_gib)
-            self._llm_kwargs["dtype"] = "float32" if dtype == "float32" else dtype
         else:
             self._llm_kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         _quiet_vllm()

@@ -31,10 +31,9 @@ from visionrl.models.loader import (
     lora_param_groups,
     vision_token_ids,
 )
-from visionrl.rollout.types import AdapterPayload, PromptItem
+from visionrl.rollout.types import ADAPTER_FILES, ADAPTER_WEIGHTS, AdapterPayload, PromptItem
 from visionrl.train.batching import EncodedPrompt, MicroBatch, Sequence, collate, plan_micro_batches
 
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 SUPPRESSED_LOGIT = -1e9
 
 
@@ -279,8 +278,8 @@ class Learner:
             # Checkpoints and the exported adapter keep float32.
             from safetensors.torch import load, save
 
-            weights = {k: v.to(self.model.dtype) for k, v in load(files["adapter_model.safetensors"]).items()}
-            files["adapter_model.safetensors"] = save(weights)
+            weights = {k: v.to(self.model.dtype) for k, v in load(files[ADAPTER_WEIGHTS]).items()}
+            files[ADAPTER_WEIGHTS] = save(weights)
         return AdapterPayload(version=self.version, files=files)
 
     # ------------------------------------------------------------------ checkpoint state
@@ -301,7 +300,7 @@ class Learner:
         from peft import set_peft_model_state_dict
         from safetensors.torch import load_file
 
-        weights = load_file(str(Path(adapter_dir) / "adapter_model.safetensors"))
+        weights = load_file(str(Path(adapter_dir) / ADAPTER_WEIGHTS))
         set_peft_model_state_dict(self.model, weights)
         state = torch.load(io.BytesIO(trainer_state), weights_only=False)
         self.optimizer.load_state_dict(state["optimizer"])
