@@ -46,6 +46,12 @@ class ModelConfig(_Section):
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in backward (saves memory)."
     )
+    checkpoint_layers: int | None = Field(
+        None,
+        ge=0,
+        description="With gradient_checkpointing: recompute only the first N decoder layers (null: all). Each "
+        "layer left out keeps its activations (memory) and saves one forward of it (time).",
+    )
 
 
 class LoraConfig(_Section):
@@ -152,6 +158,11 @@ class RolloutConfig(_Section):
     kv_cache_gib: float = Field(
         1.0, gt=0.0, description="vLLM CPU: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE)."
     )
+    sleep_during_update: bool = Field(
+        False,
+        description="vLLM on GPUs: put the engines to sleep (KV cache freed, weights to CPU memory) while the "
+        "learner updates, so a colocated learner can use that memory; woken before the adapter sync.",
+    )
 
 
 class TrainConfig(_Section):
@@ -167,6 +178,17 @@ class TrainConfig(_Section):
     max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient clipping (global L2 norm).")
     micro_batch_tokens: int = Field(
         8192, ge=64, description="Token budget of one learner micro-batch (gradient accumulation above it)."
+    )
+    logit_chunk_tokens: int = Field(
+        2048,
+        ge=0,
+        description="Completion tokens per lm_head chunk for log-probs and entropy (memory: chunk x vocab x "
+        "4 bytes, recomputed in backward); 0: the whole micro-batch at once.",
+    )
+    share_images: bool = Field(
+        True,
+        description="Encode each distinct image of a learner micro-batch once (a group's completions share "
+        "their prompt's images) instead of once per completion.",
     )
     seed: int = Field(0, description="Seed of data order, sampling and LoRA init.")
     torch_threads: int | None = Field(

@@ -195,3 +195,80 @@ def test_kl_penalty_pulls_the_policy_back_to_the_reference(tiny_model: Path, col
     kls = [learner.train_step(batch)["loss/kl"] for _ in range(5)]
     assert kls[0] > 0
     assert kls[-1] < kls[0] / 2, kls  # measured: 0.085 -> 0.015
+
+
+def _accumulated_grads(learner: Learner, batch: TrainBatch) -> dict[str, torch.Tensor]:
+    with torch.no_grad():  # a non-zero B so every LoRA weight gets a gradient
+        for n, p in learner.model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(std=0.05, generator=torch.Generator().manual_seed(1))
+    encoded = learner.encode_prompts(batch.prompts)
+    learner.optimizer.step = lambda: None  # keep the weights; inspect the accumulated gradient
+    learner._update(encoded, batch.sequences, range(len(batch.sequences)), None, None)
+    return _grads(learner)
+
+
+@pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
+@pytest.mark.parametrize(
+    "lean",
+    [
+        {"train": {"share_images": False}},  # each row encodes its own copy of the image
+        {"train": {"logit_chunk_tokens": 0}},  # all logits of the micro-batch at once
+        {"train": {"logit_chunk_tokens": 1}},  # one token per lm_head chunk
+        {"model": {"gradient_checkpointing": True}},
+        {"model": {"gradient_checkpointing": True, "checkpoint_layers": 1}},
+    ],
+    ids=["per-row-images", "unchunked", "chunk-1", "checkpointed", "checkpoint-1-layer"],
+)
+def test_lean_forward_options_leave_the_gradient_unchanged(
+    tiny_model: Path, color_data: Path, lean: dict
+) -> None:
+    """Sharing a group's image, chunked logits and (partial) checkpointing change memory and time, not the math:
+    the gradient (merger and lm_head LoRA included) equals the plain path's to float32 rounding."""
+    default = Learner(_cfg(tiny_model, color_data), device="cpu")
+    batch = _batch(default, color_data)
+    mbs = default._micro_batches(default.encode_prompts(batch.prompts), batch.sequences, range(6))
+    # 3 prompts x 2 completions in one micro-batch: the vision tower encodes 3 images, not 6
+    assert len(mbs) == 1 and mbs[0].image_share is not None
+    assert mbs[0].image_grid_thw.shape[0] == 6 and len(mbs[0].image_share.unique_grid_thw) == 3
+    want = _accumulated_grads(default, batch)
+    got = _accumulated_grads(Learner(_cfg(tiny_model, color_data, **lean), device="cpu"), batch)
+    assert want.keys() == got.keys() and any("merger" in n for n in want) and any("lm_head" in n for n in want)
+    for name, g in want.items():
+        torch.testing.assert_close(got[name], g, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_checkpoint_layers_beyond_the_model_is_an_error(tiny_model: Path, color_data: Path) -> None:
+    cfg = _cfg(tiny_model, color_data, model={"gradient_checkpointing": True, "checkpoint_layers": 3})
+    with pytest.raises(ValueError, match="checkpoint_layers=3 exceeds the model's 2 decoder layers"):
+        Learner(cfg, device="cpu")
+
+
+def test_old_logprobs_only_for_minibatches_after_the_first(tiny_model: Path, color_data: Path) -> None:
+    """updates_per_batch=2: mini-batch 1 (groups 0 and 2) trains on-policy, so the no-grad old-log-prob pass
+    covers only mini-batch 2 (group 1 = rows 2, 3), and mini-batch 1's ratios are exactly 1 (nothing clipped)."""
+    cfg = _cfg(tiny_model, color_data, algorithm={"updates_per_batch": 3}, rollout={"prompts_per_step": 3})
+    learner = Learner(cfg, device="cpu")
+    batch = _batch(learner, color_data)
+    seen: list[list[int]] = []
+    real = learner._precompute
+
+    def spy(encoded, seqs, rows, adapter):  # noqa: ANN001, ANN202
+        seen.append(sorted(rows))
+        return real(encoded, seqs, rows, adapter)
+
+    learner._precompute = spy
+    clip = []
+    real_update = learner._update
+
+    def spy_update(*args):  # noqa: ANN002, ANN202
+        out = real_update(*args)
+        clip.append(out["policy/clip_fraction"])
+        return out
+
+    learner._update = spy_update
+    metrics = learner.train_step(batch)
+    # 3 updates over 3 groups: mini-batches [0, 1], [2, 3], [4, 5]; old log-probs for the last two only
+    assert seen == [[2, 3, 4, 5]]
+    assert clip[0] == 0.0
+    assert metrics["learner/tokens"] == sum(len(s.completion_ids) for s in batch.sequences)

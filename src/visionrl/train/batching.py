@@ -4,6 +4,8 @@ Layout of one micro-batch row: `[left pad | prompt | completion | right pad]`. P
 longest prompt P and completions right-padded to the longest completion T, so every completion token sits
 in the same column range [P, P+T) and its logit is at [P-1, P+T-1): the model computes logits only there.
 Qwen3-VL derives its M-RoPE positions from the attention mask, so padding does not move any token.
+The completions of one group share their prompt's images: with `share_images` each distinct prompt's pixels
+are sent once and `image_share` tells the vision tower hooks (`train.forward`) how to hand out the copies.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from visionrl.train.forward import ImageShare, share_plan
 
 
 @dataclass
@@ -46,10 +50,9 @@ class MicroBatch:
     sampling_logprobs: torch.Tensor  # [B, T]
     prompt_len: int  # P
     rows: list[int]  # indices of the sequences in the caller's list
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.completion_mask.sum().item())
+    num_tokens: int  # real completion tokens (the mask's sum)
+    sequence_tokens: int  # real prompt (image tokens included) + completion tokens
+    image_share: ImageShare | None = None  # set when rows share images (pixel_values holds each once)
 
 
 def plan_micro_batches(lengths: list[tuple[int, int]], token_budget: int) -> list[list[int]]:
@@ -75,7 +78,15 @@ def plan_micro_batches(lengths: list[tuple[int, int]], token_budget: int) -> lis
     return groups
 
 
-def collate(prompts: list[EncodedPrompt], seqs: list[Sequence], rows: list[int], pad_id: int) -> MicroBatch:
+def collate(
+    prompts: list[EncodedPrompt],
+    seqs: list[Sequence],
+    rows: list[int],
+    pad_id: int,
+    *,
+    share_images: bool = False,
+    merge_size: int = 2,
+) -> MicroBatch:
     """Pad the sequences `rows` into one MicroBatch (layout in the module docstring)."""
     chosen = [seqs[r] for r in rows]
     P = max(len(prompts[s.prompt].input_ids) for s in chosen)
@@ -87,7 +98,7 @@ def collate(prompts: list[EncodedPrompt], seqs: list[Sequence], rows: list[int],
     comp = torch.full((B, T), pad_id, dtype=torch.long)
     comp_mask = torch.zeros((B, T))
     samp = torch.zeros((B, T))
-    pixels, grids = [], []
+    pixels, grids, sources, distinct = [], [], [], {}
     for b, s in enumerate(chosen):
         ep = prompts[s.prompt]
         n, k = len(ep.input_ids), len(s.completion_ids)
@@ -101,8 +112,16 @@ def collate(prompts: list[EncodedPrompt], seqs: list[Sequence], rows: list[int],
             comp_mask[b, :k] = 1.0
             samp[b, :k] = torch.tensor(s.sampling_logprobs[:k], dtype=torch.float32)
         if ep.pixel_values is not None:
-            pixels.append(ep.pixel_values)
             grids.append(ep.image_grid_thw)
+            key = s.prompt if share_images else -1 - b  # without sharing every row is its own source
+            if key not in distinct:
+                distinct[key] = len(distinct)
+                pixels.append(ep.pixel_values)
+            sources.append(distinct[key])
+    share = None
+    if pixels and len(pixels) < len(grids):
+        unique_grids = [grids[sources.index(u)] for u in range(len(pixels))]
+        share = share_plan(unique_grids, sources, merge_size)
     return MicroBatch(
         input_ids=input_ids,
         attention_mask=attention,
@@ -115,4 +134,7 @@ def collate(prompts: list[EncodedPrompt], seqs: list[Sequence], rows: list[int],
         sampling_logprobs=samp,
         prompt_len=P,
         rows=list(rows),
+        num_tokens=int(comp_mask.sum()),
+        sequence_tokens=int(attention.sum()),
+        image_share=share,
     )

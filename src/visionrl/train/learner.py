@@ -12,6 +12,7 @@ train/inference mismatch compare like with like.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import tempfile
@@ -22,7 +23,7 @@ from typing import Any
 
 import torch
 
-from visionrl.algo import aggregate, entropy_from_logits, kl_penalty, masked_mean, policy_loss, token_logprobs
+from visionrl.algo import aggregate, kl_penalty, masked_mean, policy_loss
 from visionrl.config import JobConfig
 from visionrl.models.loader import (
     apply_lora,
@@ -33,8 +34,7 @@ from visionrl.models.loader import (
 )
 from visionrl.rollout.types import ADAPTER_FILES, ADAPTER_WEIGHTS, AdapterPayload, PromptItem
 from visionrl.train.batching import EncodedPrompt, MicroBatch, Sequence, collate, plan_micro_batches
-
-SUPPRESSED_LOGIT = -1e9
+from visionrl.train.forward import SharedImages, completion_stats
 
 
 @dataclass
@@ -66,8 +66,9 @@ class Learner:
         base = load_base_model(cfg.model.path, cfg.model.dtype, self.device, cfg.model.attn_implementation)
         self.model = apply_lora(base, cfg.lora, seed=cfg.train.seed)
         if cfg.model.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            self.model.enable_input_require_grads()
+            self._checkpoint_layers(cfg.model.checkpoint_layers)
+        self._shared = SharedImages(base.model.visual)
+        self._merge_size = int(getattr(self.processor.image_processor, "merge_size", 2))
         self.forbidden = torch.tensor(vision_token_ids(base.config, self.processor), dtype=torch.long)
         self.pad_id = self._pad_id()
         groups = lora_param_groups(self.model, cfg.train.lr, cfg.train.merger_lr, cfg.train.lm_head_lr)
@@ -80,6 +81,23 @@ class Learner:
             self.optimizer, lambda s: lr_lambda(s, t.warmup_steps, total, t.lr_schedule, t.min_lr_ratio)
         )
         self.version = 0
+
+    def _checkpoint_layers(self, count: int | None) -> None:
+        """Recompute activations in backward for the first `count` decoder layers (all when None): each one
+        checkpointed saves its activations' memory and costs one more forward of that layer."""
+        # Non-reentrant checkpointing needs no `enable_input_require_grads` (that would also make backward
+        # compute gradients of the input embeddings, which nothing trains).
+        self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        layers = self.model.get_base_model().model.language_model.layers
+        if count is None:
+            return
+        if count > len(layers):
+            raise ValueError(
+                f"model.checkpoint_layers={count} exceeds the model's {len(layers)} decoder layers; "
+                f"set at most {len(layers)}, or null for all"
+            )
+        for layer in layers[count:]:
+            layer.gradient_checkpointing = False
 
     def _pad_id(self) -> int:
         tok = self.processor.tokenizer
@@ -101,35 +119,38 @@ class Learner:
             )
         return out
 
-    def _logits(self, mb: MicroBatch) -> torch.Tensor:
-        """Sampling-distribution logits at the completion positions: [B, T, V] float32."""
+    def _stats(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs and entropies [B, T] of the micro-batch's completion tokens under the sampling distribution
+        (0 at padding); with autograd when grad is enabled (`train.forward` keeps the logits in chunks)."""
         dev = self.device
-        T = mb.completion_ids.shape[1]
-        keep = torch.arange(mb.prompt_len - 1, mb.prompt_len - 1 + T, device=dev)
         kwargs: dict[str, Any] = {
             "input_ids": mb.input_ids.to(dev),
             "attention_mask": mb.attention_mask.to(dev),
             "mm_token_type_ids": mb.mm_token_type_ids.to(dev),
-            "logits_to_keep": keep,
             "use_cache": False,
         }
         if mb.pixel_values is not None:
             kwargs["pixel_values"] = mb.pixel_values.to(dev, dtype=self.model.dtype)
             kwargs["image_grid_thw"] = mb.image_grid_thw.to(dev)
-        logits = self.model(**kwargs).logits.float()
-        logits = logits / self.cfg.rollout.temperature
-        if len(self.forbidden):
-            # A large finite value, not -inf: keeps entropy and its gradient finite (algo.losses).
-            logits = logits.index_fill(-1, self.forbidden.to(dev), SUPPRESSED_LOGIT)
-        return logits
-
-    def _token_logprobs(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return token_logprobs(logits, ids)
+        inner = self.model.get_base_model()  # the VLM with LoRA layers injected (peft toggles them)
+        with self._shared.use(mb.image_share):
+            hidden = inner.model(**kwargs).last_hidden_state
+        return completion_stats(
+            hidden,
+            inner.lm_head,
+            mb.completion_ids.to(dev),
+            mb.completion_mask.to(dev),
+            mb.prompt_len,
+            temperature=self.cfg.rollout.temperature,
+            forbidden=self.forbidden.to(dev),
+            chunk_tokens=self.cfg.train.logit_chunk_tokens,
+        )
 
     def logprobs(self, batch: TrainBatch, adapter: bool = True) -> list[list[float]]:
         """Log-probs of every sequence's completion tokens (with the adapter, or the base model)."""
-        store = self._precompute(self.encode_prompts(batch.prompts), batch.sequences, adapter)
-        return [store[row][: len(seq.completion_ids)].tolist() for row, seq in enumerate(batch.sequences)]
+        seqs = batch.sequences
+        store = self._precompute(self.encode_prompts(batch.prompts), seqs, range(len(seqs)), adapter)
+        return [store[row][: len(seq.completion_ids)].tolist() for row, seq in enumerate(seqs)]
 
     def _micro_batches(
         self, encoded: list[EncodedPrompt], seqs: list[Sequence], rows: Any
@@ -137,12 +158,18 @@ class Learner:
         rows = list(rows)
         lengths = [(len(encoded[seqs[r].prompt].input_ids), len(seqs[r].completion_ids)) for r in rows]
         plan = plan_micro_batches(lengths, self.cfg.train.micro_batch_tokens)
-        return [collate(encoded, seqs, [rows[i] for i in group], self.pad_id) for group in plan]
+        share, merge = self.cfg.train.share_images, self._merge_size
+        return [
+            collate(encoded, seqs, [rows[i] for i in g], self.pad_id, share_images=share, merge_size=merge)
+            for g in plan
+        ]
 
     # ------------------------------------------------------------------ the update
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """`updates_per_batch` optimizer steps over the batch; returns metrics (means over the steps)."""
         t0 = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         algo = self.cfg.algorithm
         encoded = self.encode_prompts(batch.prompts)
         # Mini-batches of whole groups (sequences of one prompt stay together), in rollout order.
@@ -151,35 +178,47 @@ class Learner:
             by_prompt.setdefault(seq.prompt, []).append(row)
         groups = list(by_prompt.values())
         n_updates = min(algo.updates_per_batch, len(groups))
-        old = self._precompute(encoded, batch.sequences, adapter=True) if n_updates > 1 else None
-        ref = self._precompute(encoded, batch.sequences, adapter=False) if algo.kl_coef > 0 else None
+        minis = [[r for g in groups[u::n_updates] for r in g] for u in range(n_updates)]
+        # Old log-probs only where the policy has moved: the first mini-batch is trained on-policy (old = the
+        # detached current log-probs, ratio exactly 1); later ones need the log-probs from before any update.
+        t1 = time.perf_counter()
+        later = [r for rows in minis[1:] for r in rows]
+        old = self._precompute(encoded, batch.sequences, later, adapter=True) if later else None
+        t2 = time.perf_counter()
+        ref = None
+        if algo.kl_coef > 0:
+            ref = self._precompute(encoded, batch.sequences, range(len(batch.sequences)), adapter=False)
+        t3 = time.perf_counter()
         totals: dict[str, float] = {}
-        for u in range(n_updates):
-            rows = [r for g in groups[u::n_updates] for r in g]
-            metrics = self._update(encoded, batch.sequences, rows, old, ref)
+        for u, rows in enumerate(minis):
+            metrics = self._update(encoded, batch.sequences, rows, old if u > 0 else None, ref)
             for k, v in metrics.items():
                 totals[k] = totals.get(k, 0.0) + v / n_updates
         self.version += 1
+        totals["learner/tokens"] *= n_updates  # a sum over the mini-batches, not a mean
+        totals["learner/sequence_tokens"] *= n_updates
+        totals["learner/old_logprob_s"] = t2 - t1
+        totals["learner/ref_logprob_s"] = t3 - t2
+        if self.device.type == "cuda":
+            totals["learner/peak_mem_gib"] = torch.cuda.max_memory_reserved(self.device) / 2**30
         totals["update_s"] = time.perf_counter() - t0
         totals["adapter_version"] = float(self.version)
         return totals
 
     @torch.no_grad()
     def _precompute(
-        self, encoded: list[EncodedPrompt], seqs: list[Sequence], adapter: bool
+        self, encoded: list[EncodedPrompt], seqs: list[Sequence], rows: Any, adapter: bool
     ) -> dict[int, torch.Tensor]:
-        """No-grad log-probs per sequence row (padded to its micro-batch): old policy or, adapter off, reference."""
+        """No-grad log-probs of the sequences `rows` (padded to their micro-batch): old policy or, adapter off,
+        the reference model."""
         self.model.eval()
         out: dict[int, torch.Tensor] = {}
-        for mb in self._micro_batches(encoded, seqs, range(len(seqs))):
-            ids = mb.completion_ids.to(self.device)
-            if adapter:
-                lp = self._token_logprobs(self._logits(mb), ids)
-            else:
-                with self.model.disable_adapter():
-                    lp = self._token_logprobs(self._logits(mb), ids)
+        for mb in self._micro_batches(encoded, seqs, rows):
+            with contextlib.nullcontext() if adapter else self.model.disable_adapter():
+                lp, _ = self._stats(mb)
+            lp = lp.cpu()
             for b, row in enumerate(mb.rows):
-                out[row] = lp[b].cpu()
+                out[row] = lp[b]
         return out
 
     def _gather(self, store: dict[int, torch.Tensor] | None, mb: MicroBatch) -> torch.Tensor | None:
@@ -190,6 +229,7 @@ class Learner:
         return torch.stack(rows).to(self.device)
 
     def _update(self, encoded, seqs, rows, old, ref) -> dict[str, float]:  # noqa: ANN001
+        """One optimizer step over the mini-batch `rows`, accumulated over its micro-batches."""
         algo, cfg = self.cfg.algorithm, self.cfg
         self.model.train()
         mbs = self._micro_batches(encoded, seqs, rows)
@@ -200,19 +240,18 @@ class Learner:
             "num_sequences": num_seqs,
             "norm_length": float(cfg.rollout.max_new_tokens),
         }
-        acc: dict[str, float] = {}
+        # Metrics stay on the device until the end of the step: one host sync instead of several per micro-batch.
+        acc: dict[str, torch.Tensor] = {}
         self.optimizer.zero_grad(set_to_none=True)
         for mb in mbs:
             mask = mb.completion_mask.to(self.device)
-            logits = self._logits(mb)
-            lp = self._token_logprobs(logits, mb.completion_ids.to(self.device))
+            lp, entropy = self._stats(mb)
             old_lp = self._gather(old, mb)
             old_lp = lp.detach() if old_lp is None else old_lp  # on-policy: ratio 1, gradient of A * lp
-            adv = mb.advantages.to(self.device)
             loss, pm = policy_loss(
                 lp,
                 old_lp,
-                adv,
+                mb.advantages.to(self.device),
                 mask,
                 clip_low=algo.clip_low,
                 clip_high=algo.clip_high,
@@ -226,37 +265,35 @@ class Learner:
             if ref_lp is not None:
                 kl = aggregate(kl_penalty(lp, ref_lp, algo.kl_kind), mask, algo.loss_aggregation, **norms)
                 total = total + algo.kl_coef * kl
-            # Entropy of the sampling policy: in the loss (with gradient) only when it has a coefficient.
-            with torch.set_grad_enabled(algo.entropy_coef > 0):
-                entropy = entropy_from_logits(logits)
-            if algo.entropy_coef > 0:
+            if algo.entropy_coef > 0:  # the entropy bonus; otherwise entropy is only reported
                 total = total - algo.entropy_coef * aggregate(entropy, mask, algo.loss_aggregation, **norms)
             total.backward()
             w = mb.num_tokens / max(num_tokens, 1.0)  # token-weighted averages of per-micro-batch metrics
             with torch.no_grad():
-                ent = masked_mean(entropy.detach(), mask)
-                diff = masked_mean((lp.detach() - mb.sampling_logprobs.to(self.device)).abs(), mask)
-            for k, v in {
-                "loss/policy": loss.item(),
-                "loss/kl": kl.item(),
-                "loss/total": total.item(),
-                "policy/clip_fraction": float(pm["clip_fraction"]) * w,
-                "policy/approx_kl": float(pm["approx_kl"]) * w,
-                "policy/entropy": ent.item() * w,
-                "rollout/logprob_diff": diff.item() * w,
-            }.items():
-                acc[k] = acc.get(k, 0.0) + v
-            del logits
+                samp = mb.sampling_logprobs.to(self.device)
+                for k, v in {
+                    "loss/policy": loss.detach(),
+                    "loss/kl": kl.detach(),
+                    "loss/total": total.detach(),
+                    "policy/clip_fraction": pm["clip_fraction"] * w,
+                    "policy/approx_kl": pm["approx_kl"] * w,
+                    "policy/entropy": masked_mean(entropy.detach(), mask) * w,
+                    "rollout/logprob_diff": masked_mean((lp.detach() - samp).abs(), mask) * w,
+                }.items():
+                    acc[k] = acc[k] + v if k in acc else v
         grad_norm = torch.nn.utils.clip_grad_norm_(
             [p for p in self.model.parameters() if p.requires_grad], cfg.train.max_grad_norm
         )
-        acc["policy/grad_norm"] = float(grad_norm)
-        acc["policy/lr"] = self.scheduler.get_last_lr()[0]
-        acc["learner/micro_batches"] = float(len(mbs))
-        acc["learner/tokens"] = num_tokens
+        acc["policy/grad_norm"] = grad_norm.detach()
+        names = list(acc)
+        out = dict(zip(names, torch.stack([acc[k].float() for k in names]).tolist(), strict=True))
+        out["policy/lr"] = self.scheduler.get_last_lr()[0]
+        out["learner/micro_batches"] = float(len(mbs))
+        out["learner/tokens"] = num_tokens
+        out["learner/sequence_tokens"] = float(sum(mb.sequence_tokens for mb in mbs))
         self.optimizer.step()
         self.scheduler.step()
-        return acc
+        return out
 
     # ------------------------------------------------------------------ adapter out
     def save_adapter(self, path: str | Path) -> Path:

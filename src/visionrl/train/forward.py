@@ -1,0 +1,132 @@
+"""The learner's forward pass: per-token log-probs and entropies of the completions, computed lean.
+
+Two things a plain `model(**batch).logits` would waste on a real VLM (vocab 151,936):
+- the logits: [B, T, vocab] float32 for a whole micro-batch is gigabytes, several times over (temperature,
+  suppression, softmax). Here the final hidden states of the real completion tokens (padding dropped) go through
+  `lm_head` in chunks of `chunk_tokens`; under autograd each chunk is checkpointed, so backward recomputes its
+  logits instead of keeping them.
+- the images: the completions of one group share their prompt, hence its image. `SharedImages` makes the vision
+  tower encode each distinct image of a micro-batch once and hands every row its copy (the gradient into the
+  merger's LoRA is the same sum as with one encoding per row).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from visionrl.algo import entropy_from_logits, token_logprobs
+
+SUPPRESSED_LOGIT = -1e9  # a large finite value, not -inf: keeps entropy and its gradient finite (algo.losses)
+
+
+@dataclass
+class ImageShare:
+    """How a micro-batch's images map onto the distinct ones actually encoded.
+
+    `grid_thw` is the per-row grid ([num_images, 3], what M-RoPE and the placeholder check need); the vision
+    tower runs on `unique_grid_thw` only, and `token_index[k]` names the encoded merged token that the k-th image
+    token of the micro-batch copies.
+    """
+
+    unique_grid_thw: torch.Tensor  # [num_unique, 3] long
+    token_index: torch.Tensor  # [num_image_tokens] long
+
+
+class SharedImages:
+    """Hooks on the vision tower that apply an `ImageShare` while one is active (`with shared.use(plan)`)."""
+
+    def __init__(self, visual: torch.nn.Module) -> None:
+        self._plan: ImageShare | None = None
+        visual.register_forward_pre_hook(self._before, with_kwargs=True)
+        visual.register_forward_hook(self._after, with_kwargs=True)
+
+    @contextlib.contextmanager
+    def use(self, plan: ImageShare | None) -> Iterator[None]:
+        self._plan = plan
+        try:
+            yield
+        finally:
+            self._plan = None
+
+    def _before(self, module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if self._plan is None:
+            return None
+        grid = kwargs.get("grid_thw")
+        device = grid.device if isinstance(grid, torch.Tensor) else args[0].device
+        return args, {**kwargs, "grid_thw": self._plan.unique_grid_thw.to(device)}
+
+    def _after(self, module: Any, args: tuple, kwargs: dict, output: Any) -> Any:
+        if self._plan is None:
+            return None
+        index = self._plan.token_index.to(output.pooler_output.device)
+        output.pooler_output = output.pooler_output.index_select(0, index)
+        output.deepstack_features = [f.index_select(0, index) for f in output.deepstack_features]
+        return output
+
+
+def share_plan(grids: list[torch.Tensor], sources: list[int], merge: int) -> ImageShare | None:
+    """The `ImageShare` for images whose grids are `grids` (one [n_i, 3] tensor per distinct prompt, in order)
+    and where row-image block j copies distinct block `sources[j]`; None when nothing repeats."""
+    if len(set(sources)) == len(sources):
+        return None
+    counts = [int(g.prod(-1).sum()) // (merge * merge) for g in grids]
+    offsets = [0]
+    for c in counts[:-1]:
+        offsets.append(offsets[-1] + c)
+    index = torch.cat([torch.arange(offsets[s], offsets[s] + counts[s]) for s in sources])
+    return ImageShare(unique_grid_thw=torch.cat(grids), token_index=index)
+
+
+def _chunk_stats(
+    lm_head: torch.nn.Module, temperature: float, forbidden: torch.Tensor, h: torch.Tensor, ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob of `ids` and entropy under the sampling distribution for hidden states `h` [N, D]."""
+    logits = lm_head(h).float() / temperature
+    if len(forbidden):
+        logits = logits.index_fill(-1, forbidden, SUPPRESSED_LOGIT)
+    return token_logprobs(logits, ids), entropy_from_logits(logits)
+
+
+def completion_stats(
+    hidden: torch.Tensor,
+    lm_head: torch.nn.Module,
+    completion_ids: torch.Tensor,
+    mask: torch.Tensor,
+    prompt_len: int,
+    *,
+    temperature: float,
+    forbidden: torch.Tensor,
+    chunk_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probs and entropies [B, T] of the completion tokens (0 where `mask` is 0).
+
+    `hidden` [B, P+T, D] are the final hidden states of the micro-batch laid out as in `train.batching`: the
+    logit of completion token t sits at position P-1+t. Padding positions are never sent through `lm_head`.
+    """
+    B, T = completion_ids.shape
+    h = hidden[:, prompt_len - 1 : prompt_len - 1 + T]
+    flat = mask.reshape(-1).nonzero().squeeze(-1)
+    h = h.reshape(B * T, -1).index_select(0, flat)
+    ids = completion_ids.reshape(-1).index_select(0, flat)
+    step = chunk_tokens if chunk_tokens > 0 else max(1, len(flat))
+    lps, ents = [], []
+    for s in range(0, len(flat), step):
+        args = (lm_head, temperature, forbidden, h[s : s + step], ids[s : s + step])
+        if torch.is_grad_enabled():
+            lp, ent = checkpoint(_chunk_stats, *args, use_reentrant=False)
+        else:
+            lp, ent = _chunk_stats(*args)
+        lps.append(lp)
+        ents.append(ent)
+    zeros = hidden.new_zeros(B * T, dtype=torch.float32)
+    if not lps:
+        return zeros.view(B, T), zeros.view(B, T)
+    lp = zeros.index_copy(0, flat, torch.cat(lps)).view(B, T)
+    ent = zeros.index_copy(0, flat, torch.cat(ents)).view(B, T)
+    return lp, ent
