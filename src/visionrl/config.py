@@ -258,6 +258,11 @@ class JobConfig(_Section):
                 f"rollout.max_new_tokens={self.rollout.max_new_tokens} leaves no room for the prompt in "
                 f"rollout.max_model_len={self.rollout.max_model_len}; raise max_model_len or lower max_new_tokens"
             )
+        if self.rollout.sleep_during_update and self.ray.placement == "split":
+            raise ValueError(
+                "rollout.sleep_during_update frees the engines' GPU memory for a learner on the same GPUs, but "
+                "ray.placement=split gives them GPUs of their own; set rollout.sleep_during_update=false"
+            )
         if self.ray.placement == "split" and self.rollout.gpus_per_engine == 0 and self.ray.learner_gpus == 0:
             raise ValueError(
                 "ray.placement=split places rollout engines and the learner on different GPUs, but no GPUs are "

@@ -12,3 +12,43 @@ class RunError(RuntimeError):
 
 
 BAD_INPUT_ERRORS: tuple[type[BaseException], ...] = (InputError,)
+
+
+class OutOfMemory(RunError):
+    """An actor ran out of accelerator memory; the message names the actor, the phase, the memory in use and
+    the settings that lower it."""
+
+
+# What lowers each actor's memory, in the order worth trying.
+MEMORY_ADVICE = {
+    "learner": (
+        "lower train.micro_batch_tokens (now {micro_batch_tokens}), set model.gradient_checkpointing=true "
+        "(checkpoint_layers: null checkpoints every layer), lower train.logit_chunk_tokens (now "
+        "{logit_chunk_tokens}), or, colocated, give the engine less: rollout.gpu_memory_utilization (now "
+        "{gpu_memory_utilization}) or rollout.sleep_during_update=true"
+    ),
+    "rollout engine": (
+        "lower rollout.gpu_memory_utilization (now {gpu_memory_utilization}) if the learner shares the GPU, or "
+        "rollout.max_model_len (now {max_model_len}) / rollout.prompts_per_step (now {prompts_per_step})"
+    ),
+}
+
+
+def out_of_memory(actor: str, phase: str, err: BaseException, settings: dict[str, object]) -> OutOfMemory:
+    """The OutOfMemory error for `err` raised in `actor` during `phase`, with the device's memory figures."""
+    used = ""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            free, total = torch.cuda.mem_get_info()
+            mine = torch.cuda.memory_reserved() / 2**30
+            used = (
+                f" GPU memory: {(total - free) / 2**30:.1f} of {total / 2**30:.1f} GiB in use on the device, "
+                f"{mine:.1f} GiB reserved by this {actor}."
+            )
+    except RuntimeError:  # the device itself may be unusable after the failure: report without figures
+        pass
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    advice = MEMORY_ADVICE[actor].format(**settings)
+    return OutOfMemory(f"the {actor} ran out of memory during {phase}.{used}\nTo fix: {advice}.\n({first})")

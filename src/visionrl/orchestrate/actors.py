@@ -20,6 +20,7 @@ from typing import Any
 import ray
 
 from visionrl.config import JobConfig, RayConfig
+from visionrl.errors import out_of_memory
 from visionrl.rewards import RewardSpec, build_reward_fn
 from visionrl.rollout.types import AdapterPayload, Completion, PromptItem, SamplingSpec
 
@@ -61,15 +62,40 @@ def ray_session(cfg: RayConfig) -> Iterator[dict[str, Any]]:
 # ---------------------------------------------------------------------------------------------- actors
 
 
+def _memory_settings(cfg: JobConfig) -> dict[str, object]:
+    """The settings named by the out-of-memory advice (errors.MEMORY_ADVICE)."""
+    return {
+        "micro_batch_tokens": cfg.train.micro_batch_tokens,
+        "logit_chunk_tokens": cfg.train.logit_chunk_tokens,
+        "gpu_memory_utilization": cfg.rollout.gpu_memory_utilization,
+        "max_model_len": cfg.rollout.max_model_len,
+        "prompts_per_step": cfg.rollout.prompts_per_step,
+    }
+
+
+@contextlib.contextmanager
+def _memory_guard(actor: str, phase: str, cfg: JobConfig) -> Iterator[None]:
+    """Turn an out-of-memory error inside an actor into one that says where, how much and what to change."""
+    import torch
+
+    try:
+        yield
+    except torch.OutOfMemoryError as err:
+        raise out_of_memory(actor, phase, err, _memory_settings(cfg)) from None
+
+
 @ray.remote
 class LearnerActor:
     def __init__(self, cfg: JobConfig) -> None:
         from visionrl.train.learner import Learner
 
-        self.learner = Learner(cfg)
+        self.cfg = cfg
+        with _memory_guard("learner", "loading the model", cfg):
+            self.learner = Learner(cfg)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self.learner, method)(*args, **kwargs)
+        with _memory_guard("learner", method, self.cfg):
+            return getattr(self.learner, method)(*args, **kwargs)
 
     def forbidden_token_ids(self) -> list[int]:
         return self.learner.forbidden.tolist()
@@ -85,13 +111,27 @@ class RolloutActor:
             import torch
 
             torch.set_num_threads(cfg.train.torch_threads)
-        self.engine = make_engine(cfg, forbidden, seed)
+        self.cfg = cfg
+        with _memory_guard("rollout engine", "start-up", cfg):
+            self.engine = make_engine(cfg, forbidden, seed)
 
     def generate(self, prompts: list[PromptItem], spec: SamplingSpec) -> list[list[Completion]]:
-        return self.engine.generate(prompts, spec)
+        with _memory_guard("rollout engine", "generation", self.cfg):
+            return self.engine.generate(prompts, spec)
 
     def load_adapter(self, payload: AdapterPayload) -> int:
-        return self.engine.load_adapter(payload)
+        with _memory_guard("rollout engine", "the adapter sync", self.cfg):
+            return self.engine.load_adapter(payload)
+
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    def wake_up(self) -> None:
+        with _memory_guard("rollout engine", "wake-up after the update", self.cfg):
+            self.engine.wake_up()
+
+    def memory(self) -> dict[str, float]:
+        return self.engine.memory()
 
     def adapter_version(self) -> int:
         return self.engine.adapter_version()
@@ -134,6 +174,7 @@ def make_engine(cfg: JobConfig, forbidden: list[int], seed: int) -> Any:
             enforce_eager=cfg.rollout.enforce_eager,
             kv_cache_gib=cfg.rollout.kv_cache_gib,
             seed=seed,
+            sleep_mode=cfg.rollout.sleep_during_update,
         )
     from visionrl.rollout.hf_engine import HFEngine
 
@@ -164,6 +205,10 @@ def start_actors(cfg: JobConfig) -> tuple[Any, list[Any], list[Any]]:
         strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=0)
         learner_opts["scheduling_strategy"] = strategy
         engine_opts[0]["scheduling_strategy"] = strategy
+    if use_gpu and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
+        # Expandable segments: the learner's activations change size every micro-batch, and fixed segments
+        # fragment. Learner only: vLLM's sleep mode refuses them in the engine's process.
+        learner_opts["runtime_env"] = {"env_vars": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}}
     learner = LearnerActor.options(**learner_opts).remote(cfg)
     forbidden = ray.get(learner.forbidden_token_ids.remote())
     engines = [

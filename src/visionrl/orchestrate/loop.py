@@ -16,7 +16,7 @@ import torch
 
 from visionrl.algo import group_advantages, group_stats, groups_with_signal
 from visionrl.config import JobConfig, dump_config
-from visionrl.errors import InputError, RunError
+from visionrl.errors import InputError, OutOfMemory, RunError
 from visionrl.orchestrate.actors import ray_session, start_actors
 from visionrl.orchestrate.workers import PromptStream, Workers, merge_results, rollout_samples
 from visionrl.rewards import RewardResult
@@ -53,15 +53,26 @@ def train(cfg: JobConfig, resume: bool = False) -> TrainResult:
         with ray_session(cfg.ray):
             return _train(cfg, run, resume, prompts_in)
     except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as err:
-        from visionrl.checkpoint import latest_checkpoint
+        raise run_error(err, run) from err
 
-        ckpt = latest_checkpoint(run)
-        where = (
-            f"the newest checkpoint is {ckpt}; continue with `visionrl train CONFIG --resume`"
-            if ckpt
-            else "no checkpoint was written yet"
-        )
-        raise RunError(f"a worker of the run failed: {_first_line(err)}\n{where}") from err
+
+def run_error(err: BaseException, run: Path) -> RunError:
+    """What the user sees when an actor failed: the cause raised inside it (not Ray's wrapper), and where to
+    resume from."""
+    from visionrl.checkpoint import latest_checkpoint
+
+    ckpt = latest_checkpoint(run)
+    where = (
+        f"the newest checkpoint is {ckpt}; continue with `visionrl train CONFIG --resume`"
+        if ckpt
+        else "no checkpoint was written yet"
+    )
+    cause = getattr(err, "cause", None)  # a RayTaskError carries the exception raised inside the actor
+    if isinstance(cause, OutOfMemory):
+        return OutOfMemory(f"{cause}\n{where}")
+    if isinstance(cause, BaseException):
+        return RunError(f"a worker of the run failed: {type(cause).__name__}: {_first_line(cause)}\n{where}")
+    return RunError(f"a worker of the run failed: {_first_line(err)}\n{where}")
 
 
 def _train(cfg: JobConfig, run: Path, resume: bool, prompts_in: PromptStream) -> TrainResult:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -103,7 +104,28 @@ class Workers:
 
     # 5. learner update
     def update(self, batch: TrainBatch) -> dict[str, float]:
-        return ray.get(self.learner.call.remote("train_step", batch))
+        """The learner's step; with `rollout.sleep_during_update` the engines sleep meanwhile (their GPU memory
+        goes to the colocated learner) and are awake again before it returns."""
+        sleep = self.cfg.rollout.sleep_during_update
+        t0 = time.perf_counter()
+        if sleep:
+            ray.get([e.sleep.remote() for e in self.engines])
+        t1 = time.perf_counter()
+        stats = ray.get(self.learner.call.remote("train_step", batch))
+        t2 = time.perf_counter()
+        if sleep:
+            ray.get([e.wake_up.remote() for e in self.engines])
+            stats["timing/engine_sleep_s"] = t1 - t0
+            stats["timing/engine_wake_s"] = time.perf_counter() - t2
+        return stats
+
+    def memory(self) -> dict[str, dict[str, float]]:
+        """Each actor's view of its GPU memory (empty on CPUs): for the start-up log and benchmarks."""
+        learner = self.learner.call.remote("memory")
+        engines = [e.memory.remote() for e in self.engines]
+        out = {"learner": ray.get(learner)}
+        out.update({f"engine_{i}": m for i, m in enumerate(ray.get(engines))})
+        return out
 
     # 6. sync
     def sync_adapter(self) -> int:

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from visionrl.config import LoraConfig
+from visionrl.gpu_memory import device_memory
 from visionrl.models.loader import apply_lora, load_base_model, load_processor
 from visionrl.rollout.types import (
     ADAPTER_CONFIG,
@@ -21,6 +22,14 @@ from visionrl.rollout.types import (
     PromptItem,
     SamplingSpec,
 )
+
+
+def end_of_sequence_ids(generation_eos: int | list[int] | None, tokenizer_eos: int | None) -> list[int]:
+    """Every token that ends a completion: real Qwen3-VL checkpoints list two ([151645, 151643])."""
+    ids = generation_eos if generation_eos is not None else tokenizer_eos
+    if ids is None:
+        raise ValueError("the checkpoint names no end-of-sequence token (generation_config or tokenizer)")
+    return [int(t) for t in (ids if isinstance(ids, list | tuple) else [ids])]
 
 
 class HFEngine:
@@ -41,12 +50,8 @@ class HFEngine:
         self.model = apply_lora(base, lora, seed=seed).eval()
         self.forbidden = list(forbidden_token_ids)
         tok = self.processor.tokenizer
-        self.eos_id = int(
-            base.generation_config.eos_token_id
-            if base.generation_config.eos_token_id is not None
-            else tok.eos_token_id
-        )
-        self.pad_id = int(tok.pad_token_id if tok.pad_token_id is not None else self.eos_id)
+        self.eos_ids = end_of_sequence_ids(base.generation_config.eos_token_id, tok.eos_token_id)
+        self.pad_id = int(tok.pad_token_id if tok.pad_token_id is not None else self.eos_ids[0])
         self._version = 0
         # The adapter is merged into the weights for generation (1.7x faster decoding than unmerged LoRA
         # layers on an H200, benchmarks/gpu_generate.py). Merging and unmerging in bf16 would drift the base
@@ -95,7 +100,7 @@ class HFEngine:
             "output_scores": True,
             "return_dict_in_generate": True,
             "suppress_tokens": self.forbidden or None,
-            "eos_token_id": self.eos_id,
+            "eos_token_id": self.eos_ids,
             "pad_token_id": self.pad_id,
         }
         if spec.greedy:
@@ -127,9 +132,19 @@ class HFEngine:
 
     def _trim(self, ids: list[int]) -> tuple[list[int], str]:
         """Cut at the first end-of-sequence token (kept, as vLLM does); the rest is padding."""
-        if self.eos_id in ids:
-            return ids[: ids.index(self.eos_id) + 1], "stop"
+        for i, t in enumerate(ids):
+            if t in self.eos_ids:
+                return ids[: i + 1], "stop"
         return ids, "length"
+
+    def sleep(self) -> None:
+        """Nothing to release: the HF engine holds only the weights."""
+
+    def wake_up(self) -> None:
+        """See `sleep`."""
+
+    def memory(self) -> dict[str, float]:
+        return device_memory()
 
     def close(self) -> None:
         self.model = None

@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from visionrl.gpu_memory import device_memory
 from visionrl.rollout.types import AdapterPayload, Completion, PromptItem, SamplingSpec
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ class VLLMEngine:
         kv_cache_gib: float = 1.0,
         seed: int = 0,
         max_images_per_prompt: int = 4,
+        sleep_mode: bool = False,
     ) -> None:
         self._llm_kwargs: dict[str, Any] = {
             "model": model_path,
@@ -95,9 +97,17 @@ class VLLMEngine:
             set_cpu_env(kv_cache_gib)
         else:
             self._llm_kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        # Sleep mode exists on GPUs only (a no-op on the CPU build): it frees the KV cache and moves the weights
+        # to host memory while the colocated learner updates.
+        self._sleep_mode = sleep_mode and not self._cpu
+        if self._sleep_mode:
+            self._llm_kwargs["enable_sleep_mode"] = True
+        self._asleep = False
         _quiet_vllm()
         self.forbidden = list(forbidden_token_ids)
-        self._dir = Path(tempfile.mkdtemp(prefix="visionrl-vllm-adapters-"))
+        # Adapter versions go through memory-backed files where the OS has them: vLLM loads LoRA from a path.
+        shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+        self._dir = Path(tempfile.mkdtemp(prefix="visionrl-vllm-adapters-", dir=shm))
         self._version = 0
         self._lora: Any = None  # LoRARequest of the version served
         self._llm = self._build()
@@ -117,6 +127,7 @@ class VLLMEngine:
     def load_adapter(self, payload: AdapterPayload) -> int:
         from vllm.lora.request import LoRARequest
 
+        self.wake_up()
         if self._lora is not None and payload.version == self._version:
             return self._version  # already served (a LoRA id must never be reused for other weights)
         path = self._dir / f"v{payload.version}"
@@ -136,9 +147,26 @@ class VLLMEngine:
         self._llm.reset_prefix_cache()
         return self._version
 
+    def sleep(self) -> None:
+        """Level-1 sleep (GPU, `sleep_mode`): KV cache discarded, weights offloaded to host memory."""
+        if self._sleep_mode and not self._asleep:
+            self._llm.sleep(level=1)
+            self._asleep = True
+
+    def wake_up(self) -> None:
+        if self._asleep:
+            self._llm.wake_up()
+            self._asleep = False
+            self._llm.llm_engine.reset_encoder_cache()  # the caches' contents went with the KV memory
+            self._llm.reset_prefix_cache()
+
+    def memory(self) -> dict[str, float]:
+        return device_memory()
+
     def generate(self, prompts: list[PromptItem], spec: SamplingSpec) -> list[list[Completion]]:
         from vllm import SamplingParams
 
+        self.wake_up()  # a caller that forgot to wake the engine gets a working one, not an error
         params = SamplingParams(
             n=spec.n,
             temperature=0.0 if spec.greedy else spec.temperature,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import math
 import tempfile
 import time
@@ -25,6 +26,7 @@ import torch
 
 from visionrl.algo import aggregate, kl_penalty, masked_mean, policy_loss
 from visionrl.config import JobConfig
+from visionrl.gpu_memory import device_memory
 from visionrl.models.loader import (
     apply_lora,
     load_base_model,
@@ -32,7 +34,7 @@ from visionrl.models.loader import (
     lora_param_groups,
     vision_token_ids,
 )
-from visionrl.rollout.types import ADAPTER_FILES, ADAPTER_WEIGHTS, AdapterPayload, PromptItem
+from visionrl.rollout.types import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterPayload, PromptItem
 from visionrl.train.batching import EncodedPrompt, MicroBatch, Sequence, collate, plan_micro_batches
 from visionrl.train.forward import SharedImages, completion_stats
 
@@ -81,6 +83,7 @@ class Learner:
             self.optimizer, lambda s: lr_lambda(s, t.warmup_steps, total, t.lr_schedule, t.min_lr_ratio)
         )
         self.version = 0
+        self._adapter_config: bytes | None = None
 
     def _checkpoint_layers(self, count: int | None) -> None:
         """Recompute activations in backward for the first `count` decoder layers (all when None): each one
@@ -295,6 +298,9 @@ class Learner:
         self.scheduler.step()
         return out
 
+    def memory(self) -> dict[str, float]:
+        return device_memory()
+
     # ------------------------------------------------------------------ adapter out
     def save_adapter(self, path: str | Path) -> Path:
         path = Path(path)
@@ -305,18 +311,23 @@ class Learner:
 
     def adapter_payload(self, for_engine: bool = True) -> AdapterPayload:
         """The current adapter as file bytes: for engines (possibly on other nodes), or in full precision
-        (`for_engine=False`) for checkpoints."""
-        with tempfile.TemporaryDirectory(prefix="visionrl-adapter-") as tmp:
-            self.save_adapter(tmp)
-            files = {name: (Path(tmp) / name).read_bytes() for name in ADAPTER_FILES}
-        if for_engine and self.model.dtype != torch.float32:
-            # peft keeps LoRA weights in float32; engines compute in the model's dtype anyway, so the per-step
-            # sync sends them in that dtype: half the bytes (an 8B model's r64 adapter: 666 -> 333 MiB).
-            # Checkpoints and the exported adapter keep float32.
-            from safetensors.torch import load, save
+        (`for_engine=False`) for checkpoints. Built in memory, no disk: the per-step sync is on the hot path."""
+        from peft import get_peft_model_state_dict
+        from safetensors.torch import save
 
-            weights = {k: v.to(self.model.dtype) for k, v in load(files[ADAPTER_WEIGHTS]).items()}
-            files[ADAPTER_WEIGHTS] = save(weights)
+        if self._adapter_config is None:  # the config never changes during a run: written once
+            with tempfile.TemporaryDirectory(prefix="visionrl-adapter-") as tmp:
+                self.model.peft_config["default"].save_pretrained(tmp)
+                config = json.loads((Path(tmp) / ADAPTER_CONFIG).read_text())
+            config["inference_mode"] = True  # as peft's own save_pretrained writes it
+            self._adapter_config = json.dumps(config, indent=2, sort_keys=True).encode()
+        # peft keeps LoRA weights in float32; engines compute in the model's dtype anyway, so the per-step sync
+        # sends them in that dtype: half the bytes (an 8B model's r64 adapter: 666 -> 333 MiB), cast on the
+        # device before the copy to the host. Checkpoints and the exported adapter keep float32.
+        dtype = self.model.dtype if for_engine else torch.float32
+        state = get_peft_model_state_dict(self.model, save_embedding_layers=False)
+        weights = {k: v.detach().to(dtype).cpu().contiguous() for k, v in state.items()}
+        files = {ADAPTER_CONFIG: self._adapter_config, ADAPTER_WEIGHTS: save(weights, metadata={"format": "pt"})}
         return AdapterPayload(version=self.version, files=files)
 
     # ------------------------------------------------------------------ checkpoint state
