@@ -59,7 +59,9 @@ def test_errors_inside_actors_reach_the_user_with_their_cause(tmp_path: Path) ->
     assert isinstance(err, OutOfMemory)
     text = str(err)
     assert text.startswith("the learner ran out of memory during train_step.")
-    assert "train.micro_batch_tokens (now 12345)" in text and "rollout.gpu_memory_utilization (now 0.4)" in text
+    assert (
+        "train.micro_batch_tokens (now 12345)" in text and "rollout.gpu_memory_utilization (now 0.4)" in text
+    )
     assert "Tried to allocate 20.00 GiB" in text and "no checkpoint was written yet" in text
     assert "ray::" not in text and "pid=" not in text
     err = run_error(bad.value, tmp_path / "run")

@@ -233,7 +233,9 @@ def test_lean_forward_options_leave_the_gradient_unchanged(
     assert mbs[0].image_grid_thw.shape[0] == 6 and len(mbs[0].image_share.unique_grid_thw) == 3
     want = _accumulated_grads(default, batch)
     got = _accumulated_grads(Learner(_cfg(tiny_model, color_data, **lean), device="cpu"), batch)
-    assert want.keys() == got.keys() and any("merger" in n for n in want) and any("lm_head" in n for n in want)
+    assert (
+        want.keys() == got.keys() and any("merger" in n for n in want) and any("lm_head" in n for n in want)
+    )
     for name, g in want.items():
         torch.testing.assert_close(got[name], g, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 

@@ -71,11 +71,17 @@ def load_base_model(
     attn_implementation: str = "sdpa",
 ) -> PreTrainedModel:
     """The base VLM, in eval mode, with frozen weights."""
+    import torch
     from transformers import AutoModelForImageTextToText
 
     check_model_dir(path)
+    # Straight onto the accelerator: an 8B model staged in host memory first costs 17 GB and a copy.
+    on_gpu = torch.device(device).type == "cuda"
     model = AutoModelForImageTextToText.from_pretrained(
-        str(path), dtype=torch_dtype(dtype), attn_implementation=attn_implementation
+        str(path),
+        dtype=torch_dtype(dtype),
+        attn_implementation=attn_implementation,
+        device_map=str(device) if on_gpu else None,
     )
     model.to(device)
     model.requires_grad_(False)

@@ -327,7 +327,10 @@ class Learner:
         dtype = self.model.dtype if for_engine else torch.float32
         state = get_peft_model_state_dict(self.model, save_embedding_layers=False)
         weights = {k: v.detach().to(dtype).cpu().contiguous() for k, v in state.items()}
-        files = {ADAPTER_CONFIG: self._adapter_config, ADAPTER_WEIGHTS: save(weights, metadata={"format": "pt"})}
+        files = {
+            ADAPTER_CONFIG: self._adapter_config,
+            ADAPTER_WEIGHTS: save(weights, metadata={"format": "pt"}),
+        }
         return AdapterPayload(version=self.version, files=files)
 
     # ------------------------------------------------------------------ checkpoint state

@@ -1,0 +1,276 @@
+"""The production GRPO step on one GPU: `configs/qwen3vl_8b_grpo_lora.yaml` at Qwen3-VL-8B shape, end to end.
+
+Writes a Qwen3-VL-8B-shaped checkpoint (random bf16 weights, real config values, a tokenizer with the real Qwen
+special-token ids; `visionrl.models.shaped`) and the synthetic count task at 448x448, then runs visionrl's own
+loop (`orchestrate.loop.train`: Ray actors, the vLLM engine, learner and engine colocated on the GPU) with the
+shipped job file and overrides, for a few steps at each size (64 x 8 x 512 and 16 x 8 x 256 by default). Step 1
+of each size warms up (CUDA graphs, allocator) and is left out of the figures.
+
+Reported per size (benchmarks/results/gpu_grpo_step.json, and a table):
+- per-phase seconds: rollout, reward, learner update (of which the old and reference log-prob passes), sync;
+- tokens_per_s_per_gpu: prompt + image + response tokens of a step / step time / GPUs (EasyR1's definition);
+- learner_tokens_per_s: the same tokens / update time; learner_mfu: 6 x parameters x those tokens / update time
+  / 989 TFLOP/s (H200 dense bf16, datasheet; recompute and the old-log-prob pass are not counted as useful);
+- rollout_generated_tokens_per_s; weights_gib; peak GPU memory of the learner and the engine processes and of
+  the whole device (sampled with nvidia-smi every 0.5 s).
+
+On a CUDA machine with vLLM and Ray, from the repository root:
+    PYTHONPATH=src python benchmarks/gpu_grpo_step.py [--sizes 64x8x512,16x8x256] [--steps 3] [key=value ...]
+On the CPU (a smoke run of the same code with small shapes and the CPU vLLM):  ... --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+H200_BF16_FLOPS = 989e12
+JOB = "configs/qwen3vl_8b_grpo_lora.yaml"
+
+
+class GpuMemorySampler:
+    """Peak GPU memory per process (named by its Ray actor title) and of the device, from nvidia-smi."""
+
+    def __init__(self, period_s: float = 0.5) -> None:
+        self.period_s = period_s
+        self.per_process: dict[str, float] = {}
+        self.device_peak = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> GpuMemorySampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _query(self, *args: str) -> list[list[str]]:
+        out = subprocess.run(
+            ["nvidia-smi", *args, "--format=csv,noheader,nounits"], capture_output=True, text=True
+        )
+        return [[c.strip() for c in line.split(",")] for line in out.stdout.splitlines() if line.strip()]
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            for row in self._query("--query-gpu=memory.used"):
+                self.device_peak = max(self.device_peak, float(row[0]) / 1024)
+            for pid, used in self._query("--query-compute-apps=pid,used_memory"):
+                name = _process_title(pid)
+                self.per_process[name] = max(self.per_process.get(name, 0.0), float(used) / 1024)
+
+
+def _process_title(pid: str) -> str:
+    try:
+        title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+    except OSError:
+        return f"pid {pid}"
+    for actor in ("LearnerActor", "RolloutActor"):
+        if actor in title:
+            return actor
+    return title[:40] or f"pid {pid}"
+
+
+def build_model(out: Path, smoke: bool) -> float:
+    """The checkpoint, written by a child process so that this one never holds a CUDA context."""
+    code = (
+        "import sys; from pathlib import Path; sys.path.insert(0, 'benchmarks'); "
+        "from gpu_learner import SMOKE_TEXT, SMOKE_VISION; "
+        "from visionrl.models.shaped import build_shaped_checkpoint; "
+        f"smoke = {smoke}; "
+        f"build_shaped_checkpoint(Path({str(out)!r}), device='cpu' if smoke else 'cuda', "
+        "dtype='float32' if smoke else 'bfloat16', text=SMOKE_TEXT if smoke else None, "
+        "vision=SMOKE_VISION if smoke else None)"
+    )
+    t = time.perf_counter()
+    subprocess.run([sys.executable, "-c", code], check=True)
+    return time.perf_counter() - t
+
+
+def overrides_for(size: str, model: Path, data: Path, run: Path, steps: int, smoke: bool) -> list[str]:
+    prompts, group, tokens = (int(x) for x in size.split("x"))
+    over = [
+        f"output_dir={run}",
+        f"model.path={model}",
+        f"data.train={data / 'train.jsonl'}",
+        "data.eval=null",
+        f"rollout.prompts_per_step={prompts}",
+        f"algorithm.group_size={group}",
+        f"rollout.max_new_tokens={tokens}",
+        f"train.steps={steps}",
+        "logging.eval_every=100000",
+        "logging.save_every=100000",
+        "logging.images_every=100000",
+    ]
+    if smoke:  # the same loop on the CPU: no GPUs, float32, the CPU engine's small KV cache
+        over += [
+            "model.dtype=float32",
+            "rollout.gpus_per_engine=0",
+            "ray.learner_gpus=0",
+            "model.gradient_checkpointing=false",
+        ]
+    return over
+
+
+def measure(
+    size: str, history: list[dict[str, float]], params: float, memory: GpuMemorySampler
+) -> dict[str, Any]:
+    rows = history[1:] if len(history) > 1 else history  # step 1 warms up
+    mean = lambda key: sum(r.get(key, 0.0) for r in rows) / len(rows)  # noqa: E731
+    step_s, update_s = mean("timing/step_s"), mean("timing/update_s")
+    tokens = mean("learner/sequence_tokens")
+    return {
+        "size": size,
+        "steps_measured": len(rows),
+        "step_s": step_s,
+        "rollout_s": mean("timing/rollout_s"),
+        "reward_s": mean("timing/reward_s"),
+        "update_s": update_s,
+        "old_logprob_s": mean("learner/old_logprob_s"),
+        "ref_logprob_s": mean("learner/ref_logprob_s"),
+        "engine_sleep_s": mean("timing/engine_sleep_s"),
+        "engine_wake_s": mean("timing/engine_wake_s"),
+        "sync_s": mean("timing/sync_s"),
+        "sequence_tokens_per_step": tokens,
+        "response_tokens_per_step": mean("response/tokens"),
+        "response_length_mean": mean("response/length_mean"),
+        "tokens_per_s_per_gpu": tokens / step_s,
+        "learner_tokens_per_s": tokens / update_s,
+        "learner_mfu": 6 * params * tokens / update_s / H200_BF16_FLOPS,
+        "rollout_generated_tokens_per_s": mean("response/tokens") / mean("timing/rollout_s"),
+        "peak_mem_gib": {
+            "learner_torch_reserved": max(r.get("learner/peak_mem_gib", 0.0) for r in history),
+            **{k: round(v, 2) for k, v in memory.per_process.items()},
+            "device": memory.device_peak,
+        },
+        "logprob_diff": mean("rollout/logprob_diff"),
+    }
+
+
+def versions() -> dict[str, str]:
+    out = {"python": sys.version.split()[0]}
+    for name in ("torch", "transformers", "peft", "vllm", "ray"):
+        try:
+            out[name] = __import__(name).__version__
+        except ImportError:
+            out[name] = "missing"
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--sizes", default="64x8x512,16x8x256", help="PROMPTSxGROUPxTOKENS, comma-separated")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument(
+        "--smoke", action="store_true", help="CPU: tiny shapes, checks the script, measures nothing"
+    )
+    p.add_argument("overrides", nargs="*", help="extra key=value overrides of the job file, for every size")
+    args = p.parse_args()
+    from visionrl.config import load_config
+    from visionrl.data.synthetic import make_dataset
+    from visionrl.orchestrate.loop import train
+
+    logging_setup()
+    results: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model, data = Path(tmp) / "qwen3vl-8b-shaped", Path(tmp) / "count448"
+        build_s = build_model(model, args.smoke)
+        make_dataset(data, "count", num_train=512, num_eval=0, seed=0, image_size=64 if args.smoke else 448)
+        cfg0 = json.loads((model / "config.json").read_text())
+        params = _param_count(model)
+        for size in args.sizes.split(","):
+            over = overrides_for(size, model, data, Path(tmp) / f"run-{size}", args.steps, args.smoke)
+            cfg = load_config(JOB, over + list(args.overrides))
+            with GpuMemorySampler() as memory:
+                t = time.perf_counter()
+                result = train(cfg)
+                wall = time.perf_counter() - t
+            row = measure(size, result.history, params, memory)
+            row["wall_s_including_start"] = wall
+            row["overrides"] = list(args.overrides)
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    report = {
+        "benchmark": "gpu_grpo_step",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": {"device": _device_name(), "gpus": 1, **versions()},
+        "setup": {
+            "job": JOB,
+            "model": "Qwen3-VL-8B shape, random bf16 weights",
+            "parameters": params,
+            "weights_gib": params * 2 / 2**30,
+            "text_layers": cfg0["text_config"]["num_hidden_layers"],
+            "task": "synthetic count, one 448x448 image per prompt",
+            "build_s": build_s,
+            "placement": "colocated, one GPU",
+        },
+        "results": results,
+        "trl": {"status": "not measured in this file yet (benchmarks/NOTES-gpu-learner.md)"},
+    }
+    if args.smoke:
+        print(json.dumps(report, indent=1)[:600])
+        return
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_grpo_step.json").write_text(json.dumps(report, indent=2) + "\n")
+    cols = [
+        "step_s",
+        "rollout_s",
+        "update_s",
+        "old_logprob_s",
+        "sync_s",
+        "tokens_per_s_per_gpu",
+        "learner_tokens_per_s",
+        "learner_mfu",
+        "rollout_generated_tokens_per_s",
+    ]
+    print(f"\n{'size':<12}" + "".join(f"{c[:14]:>15}" for c in cols))
+    for r in results:
+        print(f"{r['size']:<12}" + "".join(f"{r[c]:>15.3g}" for c in cols))
+        print(f"{'':<12}peak GiB: {r['peak_mem_gib']}")
+
+
+def _param_count(model: Path) -> float:
+    from safetensors import safe_open
+
+    n = 0
+    for f in model.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            for k in st.keys():  # noqa: SIM118
+                size = 1
+                for d in st.get_slice(k).get_shape():
+                    size *= d
+                n += size
+    return float(n)
+
+
+def _device_name() -> str:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True
+        )
+        return out.stdout.strip().splitlines()[0]
+    except (OSError, IndexError):
+        return "cpu"
+
+
+def logging_setup() -> None:
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+if __name__ == "__main__":
+    main()

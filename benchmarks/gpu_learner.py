@@ -1,0 +1,304 @@
+"""The learner's speed and memory levers, one at a time, on a Qwen3-VL-8B-shaped model (random bf16 weights).
+
+Runs visionrl's own `Learner.train_step` (LoRA r64 on the LM projections and the merger, as the production job)
+on one batch of P prompts x G completions (448x448 images, random completion tokens), with each lever switched on
+in turn, and prints per-variant seconds, tokens/s and peak memory. Also times the Qwen3-VL vision tower alone
+(its Conv3d patch embedding against the same weights as one matmul). Predictions and outcomes are kept in
+benchmarks/NOTES-gpu-learner.md; the results file is benchmarks/results/gpu_learner.json.
+
+On a CUDA machine, from the repository root:
+    PYTHONPATH=src python benchmarks/gpu_learner.py [--prompts 16] [--group 8] [--new-tokens 512]
+On the CPU (a smoke run of the same code with small shapes):  ... --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SMOKE_TEXT = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 32,
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 5e6,
+        "mrope_section": [6, 5, 5],
+        "mrope_interleaved": True,
+    },
+}
+SMOKE_VISION = {
+    "depth": 2,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_heads": 2,
+    "out_hidden_size": 64,
+    "num_position_embeddings": 256,
+    "deepstack_visual_indexes": [0],
+}
+
+# Each variant: a name, what it changes (applied on top of the previous ones unless `alone`), and the prediction
+# written before the run (benchmarks/NOTES-gpu-learner.md explains them).
+VARIANTS: list[dict[str, Any]] = [
+    {
+        "name": "before: full logits, image per row, all layers checkpointed",
+        "train": {"logit_chunk_tokens": 0, "share_images": False},
+        "ckpt": None,
+    },
+    {"name": "+ logits in chunks of 2048 tokens", "train": {"logit_chunk_tokens": 2048}},
+    {"name": "+ each image encoded once per micro-batch", "train": {"share_images": True}},
+    {"name": "+ checkpoint half the layers (18 of 36)", "ckpt": "half"},
+    {"name": "  same, micro-batch 8192", "train": {"micro_batch_tokens": 8192}},
+    {"name": "+ no checkpointing, micro-batch 4096", "ckpt": 0, "train": {"micro_batch_tokens": 4096}},
+    {"name": "  same, micro-batch 8192", "train": {"micro_batch_tokens": 8192}},
+]
+# The job-file settings of each variant from the checkpointing ones on, for picking the production setting.
+SETTINGS = {
+    3: ["model.checkpoint_layers=18", "train.micro_batch_tokens=16384"],
+    4: ["model.checkpoint_layers=18", "train.micro_batch_tokens=8192"],
+    5: ["model.gradient_checkpointing=false", "train.micro_batch_tokens=4096"],
+    6: ["model.gradient_checkpointing=false", "train.micro_batch_tokens=8192"],
+}
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def job(model_dir: Path, args: argparse.Namespace):  # noqa: ANN201
+    from visionrl.config import config_from_dict
+
+    return config_from_dict(
+        {
+            "output_dir": "unused",
+            "model": {
+                "path": str(model_dir),
+                "dtype": "float32" if args.smoke else "bfloat16",
+                "gradient_checkpointing": True,
+            },
+            "data": {"train": "unused.jsonl"},
+            "rewards": [{"name": "exact_match"}],
+            "lora": {"rank": 64, "alpha": 128, "train_merger": True},
+            "algorithm": {"group_size": args.group, "updates_per_batch": 2, "clip_high": 0.28},
+            "rollout": {"prompts_per_step": args.prompts, "max_new_tokens": args.new_tokens},
+            "train": {"lr": 1e-5, "micro_batch_tokens": 16384},
+        }
+    )
+
+
+def make_batch(learner, args: argparse.Namespace, spread: bool):  # noqa: ANN001, ANN201
+    """P prompts with one image each, G random completions per prompt: all of length T, or spread over [T/8, T]."""
+    from PIL import Image
+
+    from visionrl.rollout.types import PromptItem
+    from visionrl.train.batching import Sequence
+    from visionrl.train.learner import TrainBatch
+
+    msgs = [
+        {
+            "role": "user",
+            "content": [{"type": "image"}, {"type": "text", "text": "how many shapes are there?"}],
+        }
+    ]
+    text = learner.processor.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    size = args.image_size
+    prompts = [
+        PromptItem(text=text, images=[Image.new("RGB", (size, size), (37 * i % 255, 90, 200))])
+        for i in range(args.prompts)
+    ]
+    gen = torch.Generator().manual_seed(0)
+    vocab = learner.model.get_base_model().config.text_config.vocab_size
+    seqs = []
+    for i in range(args.prompts * args.group):
+        n = (
+            args.new_tokens
+            if not spread
+            else int(torch.randint(args.new_tokens // 8, args.new_tokens + 1, (1,), generator=gen))
+        )
+        seqs.append(
+            Sequence(
+                prompt=i // args.group,
+                completion_ids=torch.randint(100, min(vocab, 150_000), (n,), generator=gen).tolist(),
+                advantage=float(torch.randn((), generator=gen)),
+                sampling_logprobs=[-11.0] * n,
+            )
+        )
+    return TrainBatch(prompts, seqs)
+
+
+def configure(learner, variant: dict[str, Any]) -> None:  # noqa: ANN001
+    for k, v in variant.get("train", {}).items():
+        setattr(learner.cfg.train, k, v)
+    if "ckpt" in variant:
+        n = variant["ckpt"]
+        if n == "half":
+            n = len(learner.model.get_base_model().model.language_model.layers) // 2
+        if n == 0:
+            learner.model.gradient_checkpointing_disable()
+        else:
+            learner._checkpoint_layers(n)
+
+
+def timed_step(learner, batch) -> dict[str, float]:  # noqa: ANN001
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    _sync()
+    t = time.perf_counter()
+    stats = learner.train_step(batch)
+    _sync()
+    wall = time.perf_counter() - t
+    return {
+        "step_s": wall,
+        "old_logprob_s": stats["learner/old_logprob_s"],
+        "sequence_tokens": stats["learner/sequence_tokens"],
+        "tokens_per_s": stats["learner/sequence_tokens"] / wall,
+        "peak_mem_gib": stats.get("learner/peak_mem_gib", 0.0),
+        "micro_batches": stats["learner/micro_batches"],
+    }
+
+
+def vision_tower(learner, args: argparse.Namespace, n_images: int) -> dict[str, float]:  # noqa: ANN001
+    """The vision tower alone on n_images: forward, and its Conv3d patch embedding vs the same weights as a matmul."""
+    from PIL import Image
+
+    visual = learner.model.get_base_model().model.visual
+    imgs = [Image.new("RGB", (args.image_size, args.image_size), (i, 90, 200)) for i in range(n_images)]
+    enc = learner.processor.image_processor(images=imgs, return_tensors="pt")
+    dev, dt = learner.device, learner.model.dtype
+    px, grid = enc["pixel_values"].to(dev, dt), enc["image_grid_thw"].to(dev)
+    out: dict[str, float] = {}
+    with torch.no_grad():
+        for label, fn in (
+            ("vision_forward_ms", lambda: visual(px, grid_thw=grid)),
+            ("patch_embed_conv3d_ms", lambda: visual.patch_embed(px)),
+            (
+                "patch_embed_matmul_ms",
+                lambda: (
+                    px @ visual.patch_embed.proj.weight.reshape(visual.patch_embed.proj.weight.shape[0], -1).T
+                ),
+            ),
+        ):
+            fn()
+            _sync()
+            t = time.perf_counter()
+            for _ in range(3):
+                fn()
+            _sync()
+            out[label] = (time.perf_counter() - t) / 3 * 1000
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--group", type=int, default=8)
+    p.add_argument("--new-tokens", type=int, default=512)
+    p.add_argument("--image-size", type=int, default=448)
+    p.add_argument(
+        "--smoke", action="store_true", help="small shapes on the CPU: checks the script, measures nothing"
+    )
+    p.add_argument(
+        "--best-to",
+        help="write the job-file overrides of the fastest variant whose peak fits --memory-budget-gib here",
+    )
+    p.add_argument("--memory-budget-gib", type=float, default=76.0, help="the learner's share when colocated")
+    args = p.parse_args()
+    from visionrl.models.shaped import build_shaped_checkpoint
+    from visionrl.train.learner import Learner
+
+    device = "cpu" if args.smoke else "cuda"
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        model_dir = build_shaped_checkpoint(
+            Path(tmp) / "qwen3vl-8b-shaped",
+            device=device,
+            dtype="float32" if args.smoke else "bfloat16",
+            text=SMOKE_TEXT if args.smoke else None,
+            vision=SMOKE_VISION if args.smoke else None,
+        )
+        t_build = time.perf_counter() - t0
+        cfg = job(model_dir, args)
+        learner = Learner(cfg, device=device)
+        batch = make_batch(learner, args, spread=False)
+        configure(learner, VARIANTS[0])
+        learner.train_step(batch)  # warm-up: kernels, cuBLAS handles, the allocator's first segments
+        for v in VARIANTS:
+            configure(learner, v)
+            try:
+                r = timed_step(learner, batch)
+            except torch.OutOfMemoryError:
+                rows.append({"variant": v["name"], "error": "out of memory"})
+                print(f"{v['name']:<62} out of memory", flush=True)
+                continue
+            rows.append({"variant": v["name"], **r})
+            print(
+                f"{v['name']:<62} {r['step_s']:7.1f} s {r['tokens_per_s']:9.0f} tok/s {r['peak_mem_gib']:6.1f} GiB",
+                flush=True,
+            )
+        spread = make_batch(learner, args, spread=True)
+        r = timed_step(learner, spread)
+        rows.append({"variant": "last variant, completion lengths spread over [T/8, T]", **r})
+        vision = vision_tower(learner, args, 64)
+        weights_gib = sum(t.numel() * t.element_size() for t in learner.model.parameters()) / 2**30
+    result = {
+        "benchmark": "gpu_learner",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": {
+            "device": torch.cuda.get_device_name(0)
+            if torch.cuda.is_available()
+            else platform.processor() or "cpu",
+            "torch": torch.__version__,
+            "transformers": __import__("transformers").__version__,
+            "peft": __import__("peft").__version__,
+        },
+        "setup": {
+            **vars(args),
+            "build_s": t_build,
+            "weights_gib": weights_gib,
+            "lora": "r64 LM projections + merger",
+        },
+        "variants": rows,
+        "vision_tower_64_images": vision,
+    }
+    fits = [
+        (r["step_s"], i)
+        for i, r in enumerate(rows[: len(VARIANTS)])
+        if i in SETTINGS and "error" not in r and r["peak_mem_gib"] <= args.memory_budget_gib
+    ]
+    result["best_within_budget"] = SETTINGS[min(fits)[1]] if fits else None
+    if args.best_to and fits:
+        Path(args.best_to).write_text(" ".join(SETTINGS[min(fits)[1]]) + "\n")
+    if args.smoke:
+        print(json.dumps(result, indent=1)[:400], result["best_within_budget"])
+        return
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_learner.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\n{'variant':<62}{'s':>8}{'tok/s':>9}{'old-lp s':>10}{'GiB':>7}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['variant']:<62} {r['error']}")
+            continue
+        print(
+            f"{r['variant']:<62}{r['step_s']:8.1f}{r['tokens_per_s']:9.0f}{r['old_logprob_s']:10.1f}{r['peak_mem_gib']:7.1f}"
+        )
+    print("best within budget:", result["best_within_budget"])
+    print(json.dumps(vision))
+
+
+if __name__ == "__main__":
+    main()

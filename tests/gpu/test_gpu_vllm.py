@@ -1,0 +1,143 @@
+"""GPU code paths with the real vLLM engine at Qwen3-VL-8B shape (random bf16 weights): the colocated loop, the
+agreement of learner and engine log-probs after a sync, and the out-of-memory message."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from visionrl.config import config_from_dict
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.slow,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM"),
+]
+
+
+@pytest.fixture(scope="module")
+def model_8b(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from visionrl.models.shaped import build_shaped_checkpoint
+
+    return build_shaped_checkpoint(tmp_path_factory.mktemp("shaped") / "qwen3vl-8b", device="cuda")
+
+
+@pytest.fixture(scope="module")
+def count_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from visionrl.data.synthetic import make_dataset
+
+    out = tmp_path_factory.mktemp("count448")
+    make_dataset(out, "count", num_train=64, num_eval=8, seed=0, image_size=448)
+    return out
+
+
+def _job(model: Path, data: Path, out: Path, **over: dict) -> dict:
+    raw = {
+        "output_dir": str(out),
+        "model": {"path": str(model), "dtype": "bfloat16", "gradient_checkpointing": True},
+        "data": {"train": str(data / "train.jsonl"), "eval": str(data / "eval.jsonl")},
+        "rewards": [{"name": "numeric"}],
+        "lora": {"rank": 64, "alpha": 128, "train_merger": True},
+        "algorithm": {"group_size": 4},
+        "rollout": {
+            "engine": "vllm",
+            "prompts_per_step": 4,
+            "max_new_tokens": 32,
+            "gpus_per_engine": 0.5,
+            "gpu_memory_utilization": 0.35,
+            "max_model_len": 1024,
+        },
+        "train": {"steps": 2, "lr": 1e-4},
+        "logging": {"eval_every": 2},
+        "ray": {"placement": "colocated", "learner_gpus": 0.5},
+    }
+    for section, values in over.items():
+        raw[section] = {**raw.get(section, {}), **values}
+    return raw
+
+
+def test_colocated_loop_with_vllm_at_8b_shape(model_8b: Path, count_data: Path, tmp_path: Path) -> None:
+    from visionrl.orchestrate.loop import train
+
+    result = train(config_from_dict(_job(model_8b, count_data, tmp_path / "run")))
+    assert [h["rollout/adapter_version"] for h in result.history] == [0.0, 1.0]
+    # the engine sampled with the adapter the learner computed the same tokens with (bf16)
+    assert all(h["rollout/logprob_diff"] < 0.05 for h in result.history), result.history
+    assert all(h["learner/peak_mem_gib"] > 17 for h in result.history)  # the 8B weights alone are 16.6 GiB
+    assert (result.adapter_dir / "visionrl_manifest.json").is_file()
+
+
+def test_learner_and_engine_agree_after_syncing_a_nonzero_adapter(model_8b: Path, count_data: Path) -> None:
+    """The engine's sampling log-probs equal the learner's for the same tokens and adapter, to bf16 noise, and the
+    adapter matters: the base model's log-probs of those tokens are far off."""
+    from visionrl.data import load_dataset
+    from visionrl.data.prompts import build_prompt
+    from visionrl.rollout.types import SamplingSpec
+    from visionrl.rollout.vllm_engine import VLLMEngine
+    from visionrl.train.batching import Sequence
+    from visionrl.train.learner import Learner, TrainBatch
+
+    cfg = config_from_dict(_job(model_8b, count_data, Path("unused")))
+    learner = Learner(cfg, device="cuda")
+    with torch.no_grad():
+        for n, p in learner.model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(std=0.02, generator=torch.Generator(device=p.device).manual_seed(0))
+    engine = VLLMEngine(
+        str(model_8b),
+        lora_rank=64,
+        tower_lora=True,
+        forbidden_token_ids=learner.forbidden.tolist(),
+        max_model_len=1024,
+        gpu_memory_utilization=0.35,
+    )
+    assert engine.load_adapter(learner.adapter_payload()) == 0
+    ds = load_dataset(count_data / "train.jsonl")
+    prompts = [build_prompt(ds[i], learner.processor) for i in range(4)]
+    groups = engine.generate(prompts, SamplingSpec(n=2, temperature=1.0, max_tokens=32))
+    seqs = [
+        Sequence(prompt=i, completion_ids=c.token_ids, advantage=0.0, sampling_logprobs=c.logprobs)
+        for i, g in enumerate(groups)
+        for c in g
+    ]
+    batch = TrainBatch(prompts, seqs)
+    flat = lambda rows: torch.tensor([x for row in rows for x in row])  # noqa: E731
+    engine_lp = flat([s.sampling_logprobs for s in seqs])
+    learner_lp = flat(learner.logprobs(batch))
+    base_lp = flat(learner.logprobs(batch, adapter=False))
+    same = (learner_lp - engine_lp).abs().mean().item()
+    off = (base_lp - engine_lp).abs().mean().item()
+    assert same < 0.05, (same, off)
+    assert off > 10 * same, (same, off)
+    engine.close()
+
+
+def test_out_of_memory_names_the_learner_phase_and_the_fix(model_8b: Path, count_data: Path) -> None:
+    from visionrl.data import load_dataset
+    from visionrl.data.prompts import build_prompt
+    from visionrl.errors import OutOfMemory
+    from visionrl.orchestrate.actors import _memory_guard
+    from visionrl.train.batching import Sequence
+    from visionrl.train.learner import Learner, TrainBatch
+
+    raw = _job(model_8b, count_data, Path("unused"))
+    raw["model"]["gradient_checkpointing"] = False
+    raw["train"].update(micro_batch_tokens=200_000, logit_chunk_tokens=0)
+    cfg = config_from_dict(raw)
+    learner = Learner(cfg, device="cuda")
+    ds = load_dataset(count_data / "train.jsonl")
+    prompts = [build_prompt(ds[i], learner.processor) for i in range(8)]
+    seqs = [
+        Sequence(prompt=i % 8, completion_ids=[100] * 3000, advantage=1.0, sampling_logprobs=[0.0] * 3000)
+        for i in range(64)
+    ]
+    with pytest.raises(OutOfMemory) as err:
+        with _memory_guard("learner", "train_step", cfg):
+            learner.train_step(TrainBatch(prompts, seqs))
+    text = str(err.value)
+    assert text.startswith("the learner ran out of memory during train_step. GPU memory:")
+    assert "train.micro_batch_tokens (now 200000)" in text and "model.gradient_checkpointing=true" in text
