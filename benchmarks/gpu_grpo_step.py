@@ -223,7 +223,12 @@ def main() -> None:
         return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_grpo_step.json").write_text(json.dumps(report, indent=2) + "\n")
+    path = out / "gpu_grpo_step.json"
+    if args.merge and path.exists():  # several calls on one machine, one file: other sizes' rows are kept
+        sizes = {r["size"] for r in results}
+        results = [r for r in json.loads(path.read_text())["results"] if r["size"] not in sizes] + results
+        report["results"] = results
+    path.write_text(json.dumps(report, indent=2) + "\n")
     cols = [
         "step_s",
         "rollout_s",
