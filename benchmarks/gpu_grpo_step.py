@@ -175,6 +175,9 @@ def main() -> None:
     p.add_argument(
         "--smoke", action="store_true", help="CPU: tiny shapes, checks the script, measures nothing"
     )
+    p.add_argument(
+        "--merge", action="store_true", help="keep the other sizes rows of an earlier results file"
+    )
     p.add_argument("overrides", nargs="*", help="extra key=value overrides of the job file, for every size")
     args = p.parse_args()
     from visionrl.config import load_config
