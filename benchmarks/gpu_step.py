@@ -110,7 +110,7 @@ def job(model_dir: Path, prompts: int, group: int, new_tokens: int, micro_tokens
 def make_prompts(processor, n: int):  # noqa: ANN001, ANN201
     from PIL import Image
 
-    from visionrl.rollout.types import PromptItem
+    from visionrl.types import PromptItem
 
     msgs = [
         {
@@ -141,9 +141,9 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--micro-tokens", type=int, default=4096)
     args = p.parse_args()
-    from visionrl.rollout.types import SamplingSpec
     from visionrl.train.batching import Sequence
     from visionrl.train.learner import Learner, TrainBatch
+    from visionrl.types import SamplingSpec
 
     rows: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:

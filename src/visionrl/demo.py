@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     from visionrl.config import load_config
     from visionrl.data.synthetic import make_dataset
-    from visionrl.evaluate import evaluate_local
+    from visionrl.eval.local import evaluate_local
     from visionrl.models.tiny import build_tiny_model
     from visionrl.orchestrate.loop import train
 

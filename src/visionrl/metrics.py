@@ -46,16 +46,22 @@ LR = "policy/lr"
 LENGTH_MEAN = "response/length_mean"
 LENGTH_MAX = "response/length_max"
 TRUNCATED_FRACTION = "response/truncated_fraction"
+TIMING_PREFIX = "timing/"
 TIMING_ROLLOUT = "timing/rollout_s"
 TIMING_REWARD = "timing/reward_s"
 TIMING_UPDATE = "timing/update_s"
 TIMING_SYNC = "timing/sync_s"
 TIMING_STEP = "timing/step_s"
+TIMING_PHASES: tuple[str, ...] = (TIMING_ROLLOUT, TIMING_REWARD, TIMING_UPDATE, TIMING_SYNC, TIMING_STEP)
 THROUGHPUT = "throughput/tokens_per_s"
 EVAL_ACCURACY = "eval/accuracy"
 LOGPROB_DIFF = "rollout/logprob_diff"  # engine vs learner log-prob mismatch of the same tokens
 ADAPTER_VERSION = "rollout/adapter_version"
 GROUPS_KEPT = "rollout/groups_kept"  # groups left after dynamic sampling drops zero-signal ones
+SAMPLING_ROUNDS = "rollout/sampling_rounds"  # prompt batches sampled this step (dynamic sampling)
+RESPONSE_TOKENS = "response/tokens"  # completion tokens generated this step
+LEARNER_MICRO_BATCHES = "learner/micro_batches"
+LEARNER_TOKENS = "learner/tokens"
 REWARD_HIST = "reward/hist"
 LENGTH_HIST = "response/length_hist"
 SAMPLES_PREFIX = "samples/"
@@ -84,6 +90,13 @@ REQUIRED_HISTOGRAMS: tuple[str, ...] = (REWARD_HIST, LENGTH_HIST)
 """Histogram tags every training run must write (DESIGN.md)."""
 
 REWARD_COMPONENT_PREFIX = "reward/component/"
+
+
+def timing_tag(phase: str) -> str:
+    """Tag of the wall time of one phase of a step, e.g. `timing/rollout_s` for phase `rollout`."""
+    if not phase or "/" in phase:
+        raise ValueError(f"phase name {phase!r} must be non-empty and without '/'")
+    return f"{TIMING_PREFIX}{phase}_s"
 
 
 def reward_component_tag(name: str) -> str:

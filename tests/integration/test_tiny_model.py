@@ -315,7 +315,7 @@ def test_lora_init_is_deterministic_for_a_seed(tiny_model: Path) -> None:
 
 
 def adapter_payload(model: Any, out: Path, version: int) -> Any:
-    from visionrl.rollout.types import AdapterPayload
+    from visionrl.types import AdapterPayload
 
     model.save_pretrained(str(out))
     files = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
@@ -335,8 +335,8 @@ def hf_greedy(model: Any, processor: Any, forbidden: list[int], max_tokens: int)
 @pytest.mark.slow
 def test_vllm_serves_the_tiny_model_with_lm_and_merger_lora(tiny_model: Path, tmp_path: Path) -> None:
     pytest.importorskip("vllm")
-    from visionrl.rollout.types import PromptItem, SamplingSpec
     from visionrl.rollout.vllm_engine import VLLMEngine
+    from visionrl.types import PromptItem, SamplingSpec
 
     processor = load_processor(tiny_model)
     base = load_base_model(tiny_model)

@@ -21,7 +21,8 @@ import ray
 
 from visionrl.config import JobConfig, RayConfig
 from visionrl.rewards import RewardSpec, build_reward_fn
-from visionrl.rollout.types import AdapterPayload, Completion, PromptItem, SamplingSpec
+from visionrl.rollout.factory import make_engine
+from visionrl.types import AdapterPayload, Completion, PromptItem, SamplingSpec
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +86,14 @@ class RolloutActor:
             import torch
 
             torch.set_num_threads(cfg.train.torch_threads)
-        self.engine = make_engine(cfg, forbidden, seed)
+        self.engine = make_engine(
+            cfg.model.path,
+            lora=cfg.lora,
+            rollout=cfg.rollout,
+            forbidden_token_ids=forbidden,
+            dtype=cfg.model.dtype,
+            seed=seed,
+        )
 
     def generate(self, prompts: list[PromptItem], spec: SamplingSpec) -> list[list[Completion]]:
         return self.engine.generate(prompts, spec)
@@ -116,30 +124,6 @@ def _placement() -> dict[str, Any]:
     """Where this actor runs: node and the GPU ids Ray gave it (logged at start, checked by the GPU tests)."""
     ctx = ray.get_runtime_context()
     return {"node": ctx.get_node_id()[:8], "gpus": [str(g) for g in ray.get_gpu_ids()]}
-
-
-def make_engine(cfg: JobConfig, forbidden: list[int], seed: int) -> Any:
-    """The configured rollout engine (plain object; also used without Ray by `visionrl eval`)."""
-    if cfg.rollout.engine == "vllm":
-        from visionrl.rollout.vllm_engine import VLLMEngine
-
-        return VLLMEngine(
-            cfg.model.path,
-            lora_rank=cfg.lora.rank,
-            tower_lora=cfg.lora.train_merger,
-            forbidden_token_ids=forbidden,
-            dtype=cfg.model.dtype,
-            max_model_len=cfg.rollout.max_model_len,
-            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
-            enforce_eager=cfg.rollout.enforce_eager,
-            kv_cache_gib=cfg.rollout.kv_cache_gib,
-            seed=seed,
-        )
-    from visionrl.rollout.hf_engine import HFEngine
-
-    return HFEngine(
-        cfg.model.path, lora=cfg.lora, forbidden_token_ids=forbidden, dtype=cfg.model.dtype, seed=seed
-    )
 
 
 def reward_specs(cfg: JobConfig) -> list[RewardSpec]:

@@ -13,7 +13,7 @@ import torch
 
 from visionrl.config import LoraConfig
 from visionrl.models.loader import apply_lora, load_base_model, load_processor
-from visionrl.rollout.types import (
+from visionrl.types import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     AdapterPayload,

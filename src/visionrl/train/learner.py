@@ -31,8 +31,8 @@ from visionrl.models.loader import (
     lora_param_groups,
     vision_token_ids,
 )
-from visionrl.rollout.types import ADAPTER_FILES, ADAPTER_WEIGHTS, AdapterPayload, PromptItem
 from visionrl.train.batching import EncodedPrompt, MicroBatch, Sequence, collate, plan_micro_batches
+from visionrl.types import ADAPTER_FILES, ADAPTER_WEIGHTS, AdapterPayload, PromptItem
 
 SUPPRESSED_LOGIT = -1e9
 

@@ -20,20 +20,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from visionrl.adapter.export import export_adapter
+from visionrl.adapter.fetch import fetch_adapter
+from visionrl.adapter.files import MANIFEST_NAME, ExportError
 from visionrl.errors import InputError
-from visionrl.export import MANIFEST_NAME, ExportError, export_adapter
-from visionrl.serve import (
-    ServedAdapter,
-    fetch_adapter,
-    list_models,
-    load_adapter,
-    run_server,
-    served_adapter,
-    server_command,
-    server_env,
-    unload_adapter,
-)
-from visionrl.server_process import ServerError, ServerHandle, free_port, root_url
+from visionrl.serve.adapters import ServedAdapter, list_models, load_adapter, served_adapter, unload_adapter
+from visionrl.serve.process import ServerError, ServerHandle, free_port, root_url
+from visionrl.serve.server import run_server, server_command, server_env
 
 LM_TARGETS = r".*language_model.*\.(q_proj|v_proj)"
 MERGER_TARGETS = r".*language_model.*\.(q_proj|v_proj)|.*visual\.merger\.(linear_fc1|linear_fc2)"
@@ -221,7 +214,7 @@ def test_unservable_adapter_and_bad_names_are_refused(tmp_path: Path) -> None:
     (["color"], "is not NAME=SRC"), (["=s3://b/p"], "is not NAME=SRC"), (["a=x", "a=y"], "given twice"),
 ])  # fmt: skip
 def test_serve_refuses_bad_adapter_arguments_before_starting(adapters: list[str], fragment: str) -> None:
-    from visionrl.serve import serve
+    from visionrl.serve.server import serve
 
     with pytest.raises(InputError, match=fragment):
         serve("base", adapters, port=free_port())

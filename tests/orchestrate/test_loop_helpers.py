@@ -8,7 +8,7 @@ import torch
 from visionrl.config import config_from_dict
 from visionrl.orchestrate.loop import StepClock, _collect, _step_metrics, _train_batch
 from visionrl.rewards import RewardResult
-from visionrl.rollout.types import Completion, PromptItem, SamplingSpec
+from visionrl.types import Completion, PromptItem, SamplingSpec
 
 
 def _groups() -> list[list[Completion]]:

@@ -22,7 +22,7 @@ from visionrl.config import (
 from visionrl.errors import InputError
 from visionrl.rewards import RewardSpec, resolve_reward
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 PRODUCTION = CONFIGS / "qwen3vl_8b_grpo_lora.yaml"
 
 MINIMAL: dict[str, Any] = {

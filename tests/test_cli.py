@@ -13,7 +13,7 @@ import yaml
 
 from visionrl.cli import EXIT_BAD_INPUT, build_parser, main
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "configs" / "demo.yaml"
 CONSOLE_SCRIPT = Path(sys.executable).with_name("visionrl")
 HEAVY = ("torch", "vllm", "ray", "transformers", "PIL")

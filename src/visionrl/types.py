@@ -1,6 +1,8 @@
-"""Small typed payloads passed between the loop, rollout engines, reward workers and the learner.
+"""Small typed payloads shared across layers: prompts, sampling settings, completions, generations, adapters.
 
-They cross process boundaries (Ray), so they hold plain data: token ids, floats, strings, PIL images.
+This module sits at the bottom of the import graph (it imports nothing from visionrl), so the loop, the
+engines, the learner, evaluation and serving all depend on it and never on each other for their data. The
+payloads cross process boundaries (Ray), so they hold plain data: token ids, floats, strings, PIL images.
 """
 
 from __future__ import annotations
@@ -49,6 +51,21 @@ class Completion:
     @property
     def truncated(self) -> bool:
         return self.finish_reason == "length"
+
+
+@dataclass
+class Generation:
+    """One prompt's answer from any backend (a local engine or a served endpoint), before scoring.
+
+    `text` is None when the request or generation failed, and `error` then says why. `latency_ms` is the
+    time this answer took (for batched local generation: the batch's wall time divided by its size).
+    """
+
+    text: str | None
+    num_tokens: int = 0
+    latency_ms: float = 0.0
+    finish_reason: str | None = None
+    error: str | None = None
 
 
 # The files of a PEFT LoRA adapter that visionrl moves around (sync, checkpoints, export, evaluation).
