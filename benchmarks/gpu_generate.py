@@ -2,7 +2,7 @@
 Qwen3-VL-8B-shaped model of gpu_step.py (8 prompts x n=8, 256 new tokens, one 448x448 image each).
 
 Variants, all timed on the same prompts in one run:
-- plain:        model.generate, no LoRA, no scores (the FACTS.md baseline setting)
+- plain:        model.generate, no LoRA, no scores (the baseline setting of docs/ENGINE_NOTES.md)
 - lora:         the peft model (LoRA r64, unmerged), no scores
 - lora+scores:  as the HF engine runs: unmerged LoRA, processed scores kept for log-probs
 - merged+scores: LoRA merged into the weights for generation, scores kept

@@ -6,7 +6,7 @@ Measures, with visionrl's own code paths (Learner, HFEngine, adapter payload):
 - learner log-probs (no grad) tokens/s;
 - HF engine: 8 prompts x n=8 = 64 completions of 256 new tokens, generated tokens/s;
 - adapter sync: payload bytes and the time to serialise it and load it into the engine.
-Compare with FACTS.md's baselines measured on the same machine (HF generate 836 tokens/s; LoRA r64
+Compare with the baselines in docs/ENGINE_NOTES.md, measured on the same machine (HF generate 836 tokens/s; LoRA r64
 forward+backward 4,970 tokens/s, 26 GiB peak). Prints a table and writes benchmarks/results/gpu_step-<date>.json.
 
 Run on a CUDA machine from the repository root:  PYTHONPATH=src python benchmarks/gpu_step.py [--out DIR]

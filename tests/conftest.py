@@ -7,12 +7,10 @@ from pathlib import Path
 
 import pytest
 
-# vLLM's CPU build: small KV cache, in-process engine, loopback only, no hub (FACTS.md).
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from visionrl.rollout.vllm_platform import set_cpu_env
+
+# vLLM's CPU build: small KV cache, in-process engine, loopback only, no hub (docs/ENGINE_NOTES.md).
+set_cpu_env(kv_cache_gib=1.0)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 

@@ -69,7 +69,9 @@ def test_the_package_has_no_import_cycle() -> None:
     assert find_cycle(GRAPH) is None
 
 
-@pytest.mark.parametrize("bottom", ["visionrl.types", "visionrl.errors", "visionrl.files", "visionrl.run_layout"])
+@pytest.mark.parametrize(
+    "bottom", ["visionrl.types", "visionrl.errors", "visionrl.files", "visionrl.run_layout"]
+)
 def test_shared_modules_import_nothing_from_the_package(bottom: str) -> None:
     assert GRAPH[bottom] == set()
 

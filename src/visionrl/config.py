@@ -20,7 +20,7 @@ from visionrl.errors import InputError
 # `mlp.linear_fc1/fc2` names would also match a bare suffix).
 LM_PROJECTIONS = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
 # The vision->language merger (and deepstack mergers) of Qwen3-VL; vLLM applies LoRA there only with
-# `enable_tower_connector_lora=True` (FACTS.md).
+# `enable_tower_connector_lora=True` (docs/ENGINE_NOTES.md).
 MERGER_PROJECTIONS = r".*visual\.(merger|deepstack_merger_list\.\d+)\.(linear_fc1|linear_fc2)"
 
 

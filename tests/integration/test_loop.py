@@ -81,7 +81,7 @@ def test_adapter_sync_serves_the_new_version(engine_and_learner) -> None:
     assert all(g[0].adapter_version == 7 for g in out)
     after = [g[0].token_ids for g in out]
     assert after != before, "the engine still answers like the base model after the adapter sync"
-    # The same images again (encoder cache reset on sync, FACTS.md): no crash, same answers.
+    # The same images again (encoder cache reset on sync, docs/ENGINE_NOTES.md): no crash, same answers.
     assert [g[0].token_ids for g in engine.generate(prompts, greedy)] == after
 
 

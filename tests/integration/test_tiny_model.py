@@ -1,5 +1,5 @@
 """The tiny Qwen3-VL checkpoint: stock transformers loads it and generates from an image; the build is
-deterministic for a seed; its tokenizer and config follow FACTS.md; `visionrl.models.loader` loads it (also in
+deterministic for a seed; its tokenizer and config follow docs/ENGINE_NOTES.md; `visionrl.models.loader` loads it (also in
 the older hub config format of Qwen3-VL-8B-Instruct) and puts LoRA exactly where the config says; and (slow)
 vLLM serves it with a LoRA adapter on the language model and the merger."""
 
@@ -29,7 +29,7 @@ from visionrl.models.loader import (
 from visionrl.models.tiny import SPECIAL_TOKENS, build_tiny_model
 
 QUESTION = "What color is the shape?"
-# One colour per prompt: a 64x64 image is a [1, 4, 4] patch grid, merged 2x2 into 4 image tokens (FACTS.md).
+# One colour per prompt: a 64x64 image is a [1, 4, 4] patch grid, merged 2x2 into 4 image tokens (docs/ENGINE_NOTES.md).
 IMAGE_COLORS = [(220, 40, 40), (40, 170, 60), (40, 70, 220), (235, 205, 40)]
 
 
@@ -212,7 +212,7 @@ def test_loader_reads_the_older_hub_config_format(
 
     model = load_base_model(old_dir, dtype="float32")
     rope = model.config.text_config.rope_parameters
-    # Losing mrope_section would silently fall back to [24, 20, 20] (FACTS.md) and change every logit.
+    # Losing mrope_section would silently fall back to [24, 20, 20] (docs/ENGINE_NOTES.md) and change every logit.
     assert rope["mrope_section"] == [6, 5, 5] and rope["mrope_interleaved"] is True
     assert rope["rope_theta"] == 5_000_000.0
     reference = logits(load_base_model(tiny_model, dtype="float32"), inputs)

@@ -18,7 +18,7 @@ from visionrl.rollout.vllm_platform import VLLM_LORA_RANKS, vllm_max_lora_rank
 
 # Module-name patterns (peft names, e.g. `model.language_model.layers.0.self_attn.q_proj`) by what vLLM
 # does with LoRA on them, first match wins. Only the merger needs `--enable-tower-connector-lora`
-# (FACTS.md); the rest of the vision tower ("vision_tower") and anything else ("other") is not applied.
+# (docs/ENGINE_NOTES.md); the rest of the vision tower ("vision_tower") and anything else ("other") is not applied.
 _MODULE_KINDS: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("language_model", re.compile(r"(^|\.)language_model\.(.+\.)?(q|k|v|o|gate|up|down)_proj$")),
     ("lm_head", re.compile(r"(^|\.)lm_head$")),

@@ -1,7 +1,7 @@
 """A short supervised pre-training that turns the random tiny Qwen3-VL into a plausible *base* model.
 
 Real bases (Qwen3-VL-8B) arrive pre-trained: they read images and answer in the expected format. A random
-tiny model does neither, and GRPO from scratch with a pure LoRA adapter stalls (FACTS.md). So the tiny base
+tiny model does neither, and GRPO from scratch with a pure LoRA adapter stalls (docs/ENGINE_NOTES.md). So the tiny base
 is taught, in about half a minute on a CPU, to answer the synthetic `position`, `count` and `sides`
 questions from the image, and to answer the `color` question with a colour word drawn at RANDOM,
 independent of the image. The base thus knows the answer format of the colour task but not the mapping:

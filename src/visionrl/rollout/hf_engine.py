@@ -1,6 +1,6 @@
 """Fallback rollout engine: transformers `generate` with the peft adapter (`rollout.engine: hf`).
 
-Slower than vLLM (FACTS.md: 17x off the bandwidth floor on an H200) but needs nothing beyond transformers,
+Slower than vLLM (docs/ENGINE_NOTES.md: 17x off the bandwidth floor on an H200) but needs nothing beyond transformers,
 so it runs where vLLM cannot be installed and serves as the GPU benchmark's engine.
 """
 

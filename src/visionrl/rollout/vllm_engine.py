@@ -1,6 +1,6 @@
 """The production rollout engine: an in-process vLLM `LLM` with LoRA, fed a new adapter version every step.
 
-Facts this engine is built on (FACTS.md, measured on vLLM 0.32):
+Facts this engine is built on (docs/ENGINE_NOTES.md, measured on vLLM 0.32):
 - each adapter version gets a new LoRA id and name; reusing one returns stale image embeddings;
 - after any adapter change the encoder and prefix caches are reset, else a cached image crashes the engine;
 - LoRA on the vision merger is applied only with `enable_tower_connector_lora=True`;
@@ -100,7 +100,7 @@ class VLLMEngine:
         path.mkdir(parents=True, exist_ok=True)
         for name, data in payload.files.items():
             (path / name).write_bytes(data)
-        # A new id and name for every version (FACTS.md); ids must be >= 1.
+        # A new id and name for every version (docs/ENGINE_NOTES.md); ids must be >= 1.
         new = LoRARequest(f"visionrl-v{payload.version}", payload.version + 1, str(path))
         engine = self._llm.llm_engine
         engine.add_lora(new)
@@ -135,7 +135,7 @@ class VLLMEngine:
         try:
             outputs = self._llm.generate(inputs, params, lora_request=self._lora, use_tqdm=False)
         except (RuntimeError, ValueError, AssertionError) as err:
-            # An in-process engine is unusable after an internal error (FACTS.md): rebuild it, retry once.
+            # An in-process engine is unusable after an internal error (docs/ENGINE_NOTES.md): rebuild it, retry once.
             logger.warning("vLLM engine failed (%s); rebuilding it and retrying the batch once", err)
             self._llm = self._build()
             outputs = self._llm.generate(inputs, params, lora_request=self._lora, use_tqdm=False)
