@@ -352,3 +352,55 @@ def test_empty_file_lists_the_required_keys(tmp_path: Path) -> None:
 def test_config_error_is_bad_input() -> None:
     # The CLI turns InputError into exit code 2 with the message and no traceback.
     assert issubclass(ConfigError, InputError) and issubclass(ConfigError, ValueError)
+
+
+# --------------------------------------------------------------------------- rules of their own
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("rewards=[{name: exact_mach}]", r"rewards\[0\]: unknown reward 'exact_mach'"),
+        (
+            "rewards=[{name: exact_match, kwargs: {strictness: 2}}]",
+            r"rewards\[0\]: reward 'exact_match' cannot be called",
+        ),
+        (
+            "rewards=[{name: 'no_such_module_xyz:score'}]",
+            r"rewards\[0\]: reward 'no_such_module_xyz:score': importing module",
+        ),
+        (
+            "rewards=[{name: 'json:no_such_function'}]",
+            r"rewards\[0\]: .*module 'json' has no attribute 'no_such_function'",
+        ),
+    ],
+)
+def test_rewards_that_do_not_resolve_are_config_errors(override: str, message: str) -> None:
+    assert re.search(message, config_error(MINIMAL, [override]))
+
+
+def test_a_user_reward_that_imports_is_accepted() -> None:
+    # os.path.join(*paths) accepts f(completion, answer, record): an importable callable that binds.
+    cfg = config_from_dict(apply_overrides(MINIMAL, ["rewards=[{name: 'os.path:join'}]"]))
+    assert cfg.rewards[0].name == "os.path:join"
+
+
+def test_target_accuracy_needs_eval_data() -> None:
+    message = config_error(MINIMAL, ["train.target_accuracy=0.9"])
+    assert "train.target_accuracy=0.9 stops on held-out accuracy, but data.eval is not set" in message
+    cfg = config_from_dict(
+        apply_overrides(MINIMAL, ["train.target_accuracy=0.9", "data.eval=data/eval.jsonl"])
+    )
+    assert cfg.train.target_accuracy == 0.9
+
+
+@pytest.mark.parametrize("betas", ["[0.9, 1.0]", "[-0.1, 0.999]", "[1.5, 0.5]"])
+def test_betas_outside_zero_one_are_config_errors(betas: str) -> None:
+    assert "train.betas: each of train.betas must lie in [0, 1)" in config_error(
+        MINIMAL, [f"train.betas={betas}"]
+    )
+
+
+def test_betas_at_the_lower_bound_are_kept_as_written() -> None:
+    cfg = config_from_dict(apply_overrides(MINIMAL, ["train.betas=[0.0, 0.5]"]))
+    assert cfg.train.betas == (0.0, 0.5)
