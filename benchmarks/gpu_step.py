@@ -85,7 +85,7 @@ def build_8b_checkpoint(out: Path) -> Path:
     return out
 
 
-def job(model_dir: Path, prompts: int, group: int, new_tokens: int, micro_tokens: int):  # noqa: ANN201
+def job(model_dir: Path, prompts: int, group: int, new_tokens: int, micro_tokens: int):
     from visionrl.config import config_from_dict
 
     return config_from_dict(
@@ -107,7 +107,7 @@ def job(model_dir: Path, prompts: int, group: int, new_tokens: int, micro_tokens
     )
 
 
-def make_prompts(processor, n: int):  # noqa: ANN001, ANN201
+def make_prompts(processor, n: int):
     from PIL import Image
 
     from visionrl.types import PromptItem
@@ -125,7 +125,7 @@ def make_prompts(processor, n: int):  # noqa: ANN001, ANN201
     ]
 
 
-def timed(fn):  # noqa: ANN001, ANN201
+def timed(fn):
     torch.cuda.synchronize()
     t = time.perf_counter()
     out = fn()

@@ -13,6 +13,18 @@ from visionrl.rollout.vllm_platform import set_cpu_env
 set_cpu_env(kv_cache_gib=1.0)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# Fixtures that load a model or start a server (also a fake one). A test that uses one, directly or through
+# another fixture, is `slow`, so `make test-fast` runs only pure tests.
+SLOW_FIXTURES = frozenset(
+    {"tiny_model", "pretrained_tiny_model", "models", "tiny", "fake_server", "adapter_api", "endpoint"}
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:

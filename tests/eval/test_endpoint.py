@@ -84,7 +84,7 @@ class FakeChat(BaseHTTPRequestHandler):
     release = threading.Event()
     lock = threading.Lock()
 
-    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+    def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         with self.lock:
             self.requests.append(body)

@@ -222,7 +222,7 @@ def test_a_dead_worker_stops_the_run_with_a_clear_error(
 
     real_update = workers.Workers.update
 
-    def update_then_kill_engine(self, batch):  # noqa: ANN001, ANN202
+    def update_then_kill_engine(self, batch):
         stats = real_update(self, batch)
         if stats["adapter_version"] == 2.0:
             ray.kill(self.engines[0])  # the engine dies before the sync of step 2

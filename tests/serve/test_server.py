@@ -289,6 +289,7 @@ def test_handle_waits_until_ready_and_stops_cleanly(fake_server: ServerHandle, t
     assert "fake server: loading" in log and f"stopping on signal {int(signal.SIGTERM)}" in log
 
 
+@pytest.mark.slow  # starts a (fake) server process
 def test_early_exit_is_reported_with_the_log_tail(tmp_path: Path) -> None:
     handle = _fake_handle("die", tmp_path)
     try:
@@ -299,6 +300,7 @@ def test_early_exit_is_reported_with_the_log_tail(tmp_path: Path) -> None:
         handle.stop()
 
 
+@pytest.mark.slow  # starts a (fake) server process
 def test_run_server_forwards_sigterm_and_returns_0(
     fake_server: ServerHandle, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -313,6 +315,7 @@ def test_run_server_forwards_sigterm_and_returns_0(
     assert signal.getsignal(signal.SIGTERM) == before  # our handler is gone again
 
 
+@pytest.mark.slow  # starts a (fake) server process
 def test_run_server_fails_when_the_server_dies(
     fake_server: ServerHandle, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -321,6 +324,7 @@ def test_run_server_fails_when_the_server_dies(
     assert "exited with code -9" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # starts a (fake) server process
 def test_run_server_fails_when_the_server_cannot_start(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -338,7 +342,7 @@ class _AdapterAPI(BaseHTTPRequestHandler):
     loaded: dict[str, str] = {}
     bodies: list[tuple[str, dict[str, Any]]] = []
 
-    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+    def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         self.bodies.append((self.path, body))
         name = body["lora_name"]
@@ -352,7 +356,7 @@ class _AdapterAPI(BaseHTTPRequestHandler):
             error = {"error": {"message": f"The lora adapter '{name}' cannot be found.", "code": 404}}
             self._send(404, json.dumps(error).encode())
 
-    def do_GET(self) -> None:  # noqa: N802
+    def do_GET(self) -> None:
         self._send(200, json.dumps({"data": [{"id": n} for n in ["base", *self.loaded]]}).encode())
 
     def _send(self, status: int, body: bytes) -> None:

@@ -81,7 +81,8 @@ def processor_settings(base_dir: str | os.PathLike[str]) -> dict[str, Any] | Non
         settings = read_json_object(base / "preprocessor_config.json", "preprocessor config")
     if settings is None:
         return None
-    size = settings.get("size") if isinstance(settings.get("size"), dict) else {}
+    size_field = settings.get("size")
+    size: dict[str, Any] = size_field if isinstance(size_field, dict) else {}
     out = {key: settings.get(key) for key in _PROCESSOR_KEYS}
     out["min_pixels"] = settings.get("min_pixels", size.get("shortest_edge"))
     out["max_pixels"] = settings.get("max_pixels", size.get("longest_edge"))

@@ -77,7 +77,8 @@ def _targeted_modules(target_modules: str | Sequence[str] | None, candidates: It
 
 
 def _classify_modules(modules: list[str]) -> dict[str, list[str]]:
-    kinds: dict[str, list[str]] = {kind: [] for kind, _ in _MODULE_KINDS} | {"other": []}
+    kinds: dict[str, list[str]] = {kind: [] for kind, _ in _MODULE_KINDS}
+    kinds["other"] = []
     for name in modules:
         kind = next((k for k, pattern in _MODULE_KINDS if pattern.search(name)), "other")
         kinds[kind].append(name)

@@ -148,15 +148,16 @@ def start_actors(cfg: JobConfig) -> tuple[Any, list[Any], list[Any]]:
         strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=0)
         learner_opts["scheduling_strategy"] = strategy
         engine_opts[0]["scheduling_strategy"] = strategy
-    learner = LearnerActor.options(**learner_opts).remote(cfg)
+    # mypy keeps a class's own type under a class decorator; `@ray.remote` adds `.options` at run time.
+    learner = LearnerActor.options(**learner_opts).remote(cfg)  # type: ignore[attr-defined]
     forbidden = ray.get(learner.forbidden_token_ids.remote())
     engines = [
-        RolloutActor.options(**opts).remote(cfg, forbidden, cfg.train.seed + i)
+        RolloutActor.options(**opts).remote(cfg, forbidden, cfg.train.seed + i)  # type: ignore[attr-defined]
         for i, opts in enumerate(engine_opts)
     ]
     specs = reward_specs(cfg)
     rewards = [
-        RewardActor.options(num_cpus=0).remote(specs, cfg.ray.reward_timeout_s)
+        RewardActor.options(num_cpus=0).remote(specs, cfg.ray.reward_timeout_s)  # type: ignore[attr-defined]
         for _ in range(cfg.ray.num_reward_workers)
     ]
     # Fail early, with the actor's own error, if any of them cannot start; say where each one runs.

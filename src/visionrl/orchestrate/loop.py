@@ -181,7 +181,10 @@ def _collect(
     until prompts_per_step such groups are found; surplus groups are dropped. Metrics cover every sampled group."""
     G, want = cfg.algorithm.group_size, cfg.rollout.prompts_per_step
     rounds_max = cfg.algorithm.max_sampling_rounds if cfg.algorithm.dynamic_sampling else 1
-    prompts, completions, parts, keep = [], [], [], []
+    prompts: list[PromptItem] = []
+    completions: list[list[Completion]] = []
+    parts: list[RewardResult] = []
+    keep: list[bool] = []
     for r in range(rounds_max):
         batch = prompts_in.next_batch()  # 1. sample prompts
         with clock("rollout"):  # 2. rollout with the current adapter

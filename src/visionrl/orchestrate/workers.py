@@ -19,7 +19,7 @@ from visionrl.data import PromptSampler, load_dataset
 from visionrl.data.prompts import build_prompt
 from visionrl.metrics import RolloutSample
 from visionrl.models.loader import load_processor
-from visionrl.rewards import RewardResult, build_reward_fn
+from visionrl.rewards import CombinedReward, RewardResult, build_reward_fn
 from visionrl.run_layout import RunDir
 from visionrl.train.learner import TrainBatch
 from visionrl.types import Completion, PromptItem, SamplingSpec
@@ -81,7 +81,7 @@ class _RemoteEngine:
 class Workers:
     def __init__(self, learner: Any, engines: list[Any], rewards: list[Any], cfg: JobConfig) -> None:
         self.learner, self.engines, self.rewards, self.cfg = learner, engines, rewards, cfg
-        self._eval_reward = None
+        self._eval_reward: CombinedReward | None = None
 
     # 2. rollout
     def rollout(self, prompts: list[PromptItem], spec: SamplingSpec) -> list[list[Completion]]:

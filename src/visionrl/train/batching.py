@@ -87,7 +87,8 @@ def collate(prompts: list[EncodedPrompt], seqs: list[Sequence], rows: list[int],
     comp = torch.full((B, T), pad_id, dtype=torch.long)
     comp_mask = torch.zeros((B, T))
     samp = torch.zeros((B, T))
-    pixels, grids = [], []
+    pixels: list[torch.Tensor] = []
+    grids: list[torch.Tensor] = []
     for b, s in enumerate(chosen):
         ep = prompts[s.prompt]
         n, k = len(ep.input_ids), len(s.completion_ids)
@@ -100,7 +101,7 @@ def collate(prompts: list[EncodedPrompt], seqs: list[Sequence], rows: list[int],
             comp[b, :k] = ids
             comp_mask[b, :k] = 1.0
             samp[b, :k] = torch.tensor(s.sampling_logprobs[:k], dtype=torch.float32)
-        if ep.pixel_values is not None:
+        if ep.pixel_values is not None and ep.image_grid_thw is not None:
             pixels.append(ep.pixel_values)
             grids.append(ep.image_grid_thw)
     return MicroBatch(

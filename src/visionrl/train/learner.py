@@ -113,7 +113,7 @@ class Learner:
             "logits_to_keep": keep,
             "use_cache": False,
         }
-        if mb.pixel_values is not None:
+        if mb.pixel_values is not None and mb.image_grid_thw is not None:
             kwargs["pixel_values"] = mb.pixel_values.to(dev, dtype=self.model.dtype)
             kwargs["image_grid_thw"] = mb.image_grid_thw.to(dev)
         logits = self.model(**kwargs).logits.float()
@@ -189,7 +189,7 @@ class Learner:
         rows = [torch.nn.functional.pad(store[r][:T], (0, max(0, T - len(store[r])))) for r in mb.rows]
         return torch.stack(rows).to(self.device)
 
-    def _update(self, encoded, seqs, rows, old, ref) -> dict[str, float]:  # noqa: ANN001
+    def _update(self, encoded, seqs, rows, old, ref) -> dict[str, float]:
         algo, cfg = self.cfg.algorithm, self.cfg
         self.model.train()
         mbs = self._micro_batches(encoded, seqs, rows)
@@ -251,7 +251,7 @@ class Learner:
             [p for p in self.model.parameters() if p.requires_grad], cfg.train.max_grad_norm
         )
         acc["policy/grad_norm"] = float(grad_norm)
-        acc["policy/lr"] = self.scheduler.get_last_lr()[0]
+        acc["policy/lr"] = float(self.scheduler.get_last_lr()[0])
         acc["learner/micro_batches"] = float(len(mbs))
         acc["learner/tokens"] = num_tokens
         self.optimizer.step()
