@@ -88,7 +88,8 @@ def test_slurm_launcher_runs_visionrl_train_on_its_ray_cluster(
         str(REPO / "deploy" / "slurm" / "ray_cluster.sh"), "--",
         "visionrl", "train", str(REPO / "configs" / "demo.yaml"),
         f"output_dir={run}", f"model.path={tiny_model}", f"data.train={color_data / 'train.jsonl'}",
-        "data.eval=null", "train.steps=1", "rollout.engine=hf", "rollout.prompts_per_step=2", "ray.num_cpus=null",
+        "data.eval=null", "train.target_accuracy=null", "train.steps=1", "rollout.engine=hf",
+        "rollout.prompts_per_step=2", "ray.num_cpus=null",
     ]  # fmt: skip
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)

@@ -257,7 +257,8 @@ def test_ctrl_c_stops_cleanly_and_the_run_resumes(tiny_model: Path, color_data: 
     args = [
         str(Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"),
         f"output_dir={run}", f"model.path={tiny_model}", f"data.train={color_data / 'train.jsonl'}",
-        "data.eval=null", "rollout.engine=hf", "rollout.prompts_per_step=2", "logging.save_every=1",
+        "data.eval=null", "train.target_accuracy=null", "rollout.engine=hf", "rollout.prompts_per_step=2",
+        "logging.save_every=1",
     ]  # fmt: skip
     proc = subprocess.Popen(
         [visionrl, "train", *args, "train.steps=500"],

@@ -105,7 +105,6 @@ def test_stock_transformers_loads_and_generates_from_an_image(
         assert all(0 <= t < model.config.text_config.vocab_size == len(processor.tokenizer) for t in new)
         # Either it ran to max_new_tokens, or it stopped right after the first end-of-turn token.
         assert len(new) == 6 or (new[-1] == eos and eos not in new[:-1])
-    assert isinstance(processor.tokenizer.decode(sampled, skip_special_tokens=True), str)
 
 
 # --------------------------------------------------------------------------- build determinism
