@@ -21,6 +21,7 @@ test-fast: setup
 lint: setup
 	@$(PY) -m ruff check src tests benchmarks scripts
 	@$(PY) -m ruff format --check src tests benchmarks scripts
+	@$(PY) -m mypy
 
 format: setup
 	@$(PY) -m ruff format src tests benchmarks scripts

@@ -1,7 +1,7 @@
 """CPU benchmark of one GRPO step through the whole stack (Ray actors, vLLM CPU engine, learner, sync).
 
 Trains the tiny Qwen3-VL for a few steps on the colour task and reports the median time of each phase, so a
-change on the hot path can be compared with the previous results file and with FACTS.md's measurements on this
+change on the hot path can be compared with the previous results file and with the measurements in docs/ENGINE_NOTES.md on this
 machine (an in-process vLLM engine: 8 image prompts x n=4, 16 tokens in 0.25-0.4 s; a bare-PyTorch GRPO step of a
 250K-parameter model, generation included, about 0.2 s). Prints a table, writes
 benchmarks/results/cpu_loop-<engine>-<date>.json.
@@ -19,8 +19,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-FACTS = {"vllm_8x4x16_generate_s": "0.25-0.4", "bare_grpo_step_s": "about 0.2"}
-PHASES = ("timing/rollout_s", "timing/reward_s", "timing/update_s", "timing/sync_s", "timing/step_s")
+ENGINE_NOTES = {"vllm_8x4x16_generate_s": "0.25-0.4", "bare_grpo_step_s": "about 0.2"}
 
 
 def main() -> None:
@@ -35,6 +34,7 @@ def main() -> None:
 
     from visionrl.config import config_from_dict
     from visionrl.data.synthetic import make_dataset
+    from visionrl.metrics import THROUGHPUT, TIMING_PHASES
     from visionrl.models.tiny import build_tiny_model
     from visionrl.orchestrate.loop import train
 
@@ -62,15 +62,15 @@ def main() -> None:
             }
         )
         history = train(cfg).history[2:]  # the first steps include warm-up
-    rows = {k: statistics.median(h[k] for h in history) for k in PHASES}
-    rows["throughput/tokens_per_s"] = statistics.median(h["throughput/tokens_per_s"] for h in history)
+    rows = {k: statistics.median(h[k] for h in history) for k in TIMING_PHASES}
+    rows[THROUGHPUT] = statistics.median(h[THROUGHPUT] for h in history)
     result = {
         "benchmark": "cpu_loop",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": {"cpus": os.cpu_count(), "kind": "CPU-only development machine"},
         "setup": vars(args) | {"model": "tiny Qwen3-VL (437K params)", "steps_measured": len(history)},
         "median": rows,
-        "facts_md": FACTS,
+        "engine_notes": ENGINE_NOTES,
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -82,7 +82,8 @@ def main() -> None:
     for k, v in rows.items():
         print(f"{k:<30}{v:>10.3f}")
     print(
-        f"FACTS.md: vLLM 8x4x16 generate {FACTS['vllm_8x4x16_generate_s']} s, bare GRPO step {FACTS['bare_grpo_step_s']} s"
+        f"docs/ENGINE_NOTES.md: vLLM 8x4x16 generate {ENGINE_NOTES['vllm_8x4x16_generate_s']} s, "
+        f"bare GRPO step {ENGINE_NOTES['bare_grpo_step_s']} s"
     )
 
 

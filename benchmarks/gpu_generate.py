@@ -2,7 +2,7 @@
 Qwen3-VL-8B-shaped model of gpu_step.py (8 prompts x n=8, 256 new tokens, one 448x448 image each).
 
 Variants, all timed on the same prompts in one run:
-- plain:        model.generate, no LoRA, no scores (the FACTS.md baseline setting)
+- plain:        model.generate, no LoRA, no scores (the baseline setting of docs/ENGINE_NOTES.md)
 - lora:         the peft model (LoRA r64, unmerged), no scores
 - lora+scores:  as the HF engine runs: unmerged LoRA, processed scores kept for log-probs
 - merged+scores: LoRA merged into the weights for generation, scores kept
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_step import build_8b_checkpoint, job, make_prompts, timed  # noqa: E402
+from gpu_step import build_8b_checkpoint, job, make_prompts, timed
 
 
 def main() -> None:
@@ -57,7 +57,7 @@ def main() -> None:
             "pad_token_id": 0,
         }
 
-        def run(model, scores: bool) -> float:  # noqa: ANN001
+        def run(model, scores: bool) -> float:
             model.generate(**enc, **{**common, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
             out, t = timed(
                 lambda: model.generate(**enc, **common, output_scores=scores, return_dict_in_generate=True)

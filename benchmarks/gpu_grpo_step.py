@@ -255,7 +255,7 @@ def _param_count(model: Path) -> float:
     n = 0
     for f in model.glob("*.safetensors"):
         with safe_open(str(f), "pt") as st:
-            for k in st.keys():  # noqa: SIM118
+            for k in st.keys():
                 size = 1
                 for d in st.get_slice(k).get_shape():
                     size *= d

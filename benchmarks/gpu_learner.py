@@ -77,7 +77,7 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def job(model_dir: Path, args: argparse.Namespace):  # noqa: ANN201
+def job(model_dir: Path, args: argparse.Namespace):
     from visionrl.config import config_from_dict
 
     return config_from_dict(
@@ -98,13 +98,13 @@ def job(model_dir: Path, args: argparse.Namespace):  # noqa: ANN201
     )
 
 
-def make_batch(learner, args: argparse.Namespace, spread: bool):  # noqa: ANN001, ANN201
+def make_batch(learner, args: argparse.Namespace, spread: bool):
     """P prompts with one image each, G random completions per prompt: all of length T, or spread over [T/8, T]."""
     from PIL import Image
 
-    from visionrl.rollout.types import PromptItem
     from visionrl.train.batching import Sequence
     from visionrl.train.learner import TrainBatch
+    from visionrl.types import PromptItem
 
     msgs = [
         {
@@ -138,7 +138,7 @@ def make_batch(learner, args: argparse.Namespace, spread: bool):  # noqa: ANN001
     return TrainBatch(prompts, seqs)
 
 
-def configure(learner, variant: dict[str, Any]) -> None:  # noqa: ANN001
+def configure(learner, variant: dict[str, Any]) -> None:
     for k, v in variant.get("train", {}).items():
         setattr(learner.cfg.train, k, v)
     if "ckpt" in variant:
@@ -151,7 +151,7 @@ def configure(learner, variant: dict[str, Any]) -> None:  # noqa: ANN001
             learner._checkpoint_layers(n)
 
 
-def timed_step(learner, batch) -> dict[str, float]:  # noqa: ANN001
+def timed_step(learner, batch) -> dict[str, float]:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     _sync()
@@ -169,7 +169,7 @@ def timed_step(learner, batch) -> dict[str, float]:  # noqa: ANN001
     }
 
 
-def vision_tower(learner, args: argparse.Namespace, n_images: int) -> dict[str, float]:  # noqa: ANN001
+def vision_tower(learner, args: argparse.Namespace, n_images: int) -> dict[str, float]:
     """The vision tower alone on n_images: forward, and its Conv3d patch embedding vs the same weights as a matmul."""
     from PIL import Image
 

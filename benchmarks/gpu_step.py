@@ -6,7 +6,7 @@ Measures, with visionrl's own code paths (Learner, HFEngine, adapter payload):
 - learner log-probs (no grad) tokens/s;
 - HF engine: 8 prompts x n=8 = 64 completions of 256 new tokens, generated tokens/s;
 - adapter sync: payload bytes and the time to serialise it and load it into the engine.
-Compare with FACTS.md's baselines measured on the same machine (HF generate 836 tokens/s; LoRA r64
+Compare with the baselines in docs/ENGINE_NOTES.md, measured on the same machine (HF generate 836 tokens/s; LoRA r64
 forward+backward 4,970 tokens/s, 26 GiB peak). Prints a table and writes benchmarks/results/gpu_step-<date>.json.
 
 Run on a CUDA machine from the repository root:  PYTHONPATH=src python benchmarks/gpu_step.py [--out DIR]
@@ -85,7 +85,7 @@ def build_8b_checkpoint(out: Path) -> Path:
     return out
 
 
-def job(model_dir: Path, prompts: int, group: int, new_tokens: int, micro_tokens: int):  # noqa: ANN201
+def job(model_dir: Path, prompts: int, group: int, new_tokens: int, micro_tokens: int):
     from visionrl.config import config_from_dict
 
     return config_from_dict(
@@ -107,10 +107,10 @@ def job(model_dir: Path, prompts: int, group: int, new_tokens: int, micro_tokens
     )
 
 
-def make_prompts(processor, n: int):  # noqa: ANN001, ANN201
+def make_prompts(processor, n: int):
     from PIL import Image
 
-    from visionrl.rollout.types import PromptItem
+    from visionrl.types import PromptItem
 
     msgs = [
         {
@@ -125,7 +125,7 @@ def make_prompts(processor, n: int):  # noqa: ANN001, ANN201
     ]
 
 
-def timed(fn):  # noqa: ANN001, ANN201
+def timed(fn):
     torch.cuda.synchronize()
     t = time.perf_counter()
     out = fn()
@@ -141,9 +141,9 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--micro-tokens", type=int, default=4096)
     args = p.parse_args()
-    from visionrl.rollout.types import SamplingSpec
     from visionrl.train.batching import Sequence
     from visionrl.train.learner import Learner, TrainBatch
+    from visionrl.types import SamplingSpec
 
     rows: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -7,13 +7,23 @@ from pathlib import Path
 
 import pytest
 
-# vLLM's CPU build: small KV cache, in-process engine, loopback only, no hub (FACTS.md).
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from visionrl.rollout.vllm_platform import set_cpu_env
+
+# vLLM's CPU build: small KV cache, in-process engine, loopback only, no hub (docs/ENGINE_NOTES.md).
+set_cpu_env(kv_cache_gib=1.0)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Fixtures that load a model or start a server (also a fake one). A test that uses one, directly or through
+# another fixture, is `slow`, so `make test-fast` runs only pure tests.
+SLOW_FIXTURES = frozenset(
+    {"tiny_model", "pretrained_tiny_model", "models", "tiny", "fake_server", "adapter_api", "endpoint"}
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,6 @@ favour of the previous one.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -32,19 +31,18 @@ from pathlib import Path
 from typing import Any
 
 from visionrl.errors import InputError
+from visionrl.files import fsync_dir, sha256_bytes, sha256_file
+from visionrl.run_layout import ADAPTER_DIR, CHECKPOINTS_DIR, STEP_PREFIX, step_dir_name
 
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
-CHECKPOINTS_DIR = "checkpoints"
 MANIFEST = "checkpoint.json"
-ADAPTER_DIR = "adapter"
 TRAINER_STATE = "trainer_state.pt"
 SAMPLER_STATE = "sampler_state.json"
 TMP_PREFIX = ".tmp-"
 OLD_PREFIX = ".old-"  # a replaced step_N waits under this name until the new one is in place
-_STEP_RE = re.compile(r"^step_(\d+)$")
-_CHUNK = 1 << 20
+_STEP_RE = re.compile(rf"^{STEP_PREFIX}(\d+)$")
 
 
 class CheckpointError(InputError):
@@ -67,29 +65,11 @@ class Checkpoint:
 # Small file helpers
 
 
-def sha256_file(path: Path) -> str:
-    """Hex sha256 of a file, read in chunks (checkpoints hold GB-sized optimizer states)."""
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(_CHUNK), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _write_synced(path: Path, data: bytes) -> None:
     with path.open("wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    # A rename or a new entry is durable only once its directory is synced (POSIX).
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _check_file_name(name: str) -> None:
@@ -145,28 +125,25 @@ def save_checkpoint(
     root.mkdir(parents=True, exist_ok=True)
     _remove_leftovers(root)
 
-    tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}step_{step}-", dir=root))
+    tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{step_dir_name(step)}-", dir=root))
     payload = {f"{ADAPTER_DIR}/{name}": data for name, data in adapter_files.items()}
     payload[TRAINER_STATE] = trainer_state
     payload[SAMPLER_STATE] = sampler_bytes
     (tmp / ADAPTER_DIR).mkdir()
     for rel, data in payload.items():
         _write_synced(tmp / rel, data)
-    _fsync_dir(tmp / ADAPTER_DIR)
+    fsync_dir(tmp / ADAPTER_DIR)
     manifest = {
         "format_version": FORMAT_VERSION,
         "step": step,
         "time": datetime.now(UTC).isoformat(),
-        "files": {
-            rel: {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
-            for rel, data in payload.items()
-        },
+        "files": {rel: {"sha256": sha256_bytes(data), "bytes": len(data)} for rel, data in payload.items()},
         "extra": extra,
     }
     _write_synced(tmp / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True).encode())
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
 
-    final = root / f"step_{step}"
+    final = root / step_dir_name(step)
     _rename_into_place(tmp, final)
     _prune(root, keep, just_saved=final)
     logger.info("checkpoint saved: %s", final)
@@ -180,7 +157,7 @@ def _rename_into_place(tmp: Path, final: Path) -> None:
         old = final.with_name(f"{OLD_PREFIX}{final.name}-{os.getpid()}-{time.monotonic_ns()}")
         os.rename(final, old)
     os.rename(tmp, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     if old is not None:
         shutil.rmtree(old)
 

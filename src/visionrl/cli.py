@@ -62,7 +62,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _cmd_eval(args: argparse.Namespace) -> int:
     if args.endpoint:
-        from visionrl.evaluate import evaluate_endpoint
+        from visionrl.eval.endpoint import evaluate_endpoint
 
         report = evaluate_endpoint(
             endpoint=args.endpoint,
@@ -81,7 +81,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     else:
         if not args.base:
             raise _usage("eval needs --base MODEL (local evaluation) or --endpoint URL (a served model)")
-        from visionrl.evaluate import evaluate_local
+        from visionrl.eval.local import evaluate_local
 
         report = evaluate_local(
             base=args.base,
@@ -103,7 +103,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from visionrl.export import export_adapter
+    from visionrl.adapter.export import export_adapter
 
     manifest = export_adapter(args.src, args.dest, allow_unservable=args.allow_unservable)
     print(f"exported {len(manifest['files'])} files to {args.dest}")
@@ -111,14 +111,14 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_fetch(args: argparse.Namespace) -> int:
-    from visionrl.serve import fetch_adapter
+    from visionrl.adapter.fetch import fetch_adapter
 
     print(fetch_adapter(args.src, args.cache_dir).resolve())
     return 0
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from visionrl.serve import serve
+    from visionrl.serve.server import serve
 
     return serve(base=args.base, adapters=args.adapter, host=args.host, port=args.port, extra=args.vllm_arg)
 

@@ -2,7 +2,8 @@
 
 The config is the single source of truth. Unknown keys, wrong types and inconsistent values fail with a
 `ConfigError` whose message names the key, the problem and the fix; nothing is silently rewritten.
-Validators that *check* are named `check_*`; nothing here derives or fixes values behind the user's back.
+Each rule is one validator that raises, named `validate_*`; nothing here derives or fixes values behind the
+user's back.
 """
 
 from __future__ import annotations
@@ -12,15 +13,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from visionrl.errors import InputError
+from visionrl.rewards.registry import RewardConfigError, RewardSpec, resolve_reward
 
 # Default LoRA targets: the language model's projections only (never the vision blocks, whose
 # `mlp.linear_fc1/fc2` names would also match a bare suffix).
 LM_PROJECTIONS = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
 # The vision->language merger (and deepstack mergers) of Qwen3-VL; vLLM applies LoRA there only with
-# `enable_tower_connector_lora=True` (FACTS.md).
+# `enable_tower_connector_lora=True` (docs/ENGINE_NOTES.md).
 MERGER_PROJECTIONS = r".*visual\.(merger|deepstack_merger_list\.\d+)\.(linear_fc1|linear_fc2)"
 
 
@@ -198,6 +200,14 @@ class TrainConfig(_Section):
         None, gt=0.0, le=1.0, description="Stop early after two consecutive evals at or above this accuracy."
     )
 
+    @field_validator("betas")
+    @classmethod
+    def validate_betas(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        # AdamW's moving averages decay by beta per step: beta = 1 never forgets, beta < 0 is meaningless.
+        if not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError("each of train.betas must lie in [0, 1), e.g. [0.9, 0.999]")
+        return betas
+
 
 class LoggingConfig(_Section):
     log_every: int = Field(1, ge=1, description="Scalars every N steps.")
@@ -239,8 +249,10 @@ class JobConfig(_Section):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
 
+    # Each rule is its own validator that raises (named validate_*); none of them changes a value.
+
     @model_validator(mode="after")
-    def check_consistency(self) -> JobConfig:
+    def validate_updates_divide_the_step(self) -> JobConfig:
         completions = self.rollout.prompts_per_step * self.algorithm.group_size
         if completions % self.algorithm.updates_per_batch != 0:
             raise ValueError(
@@ -248,26 +260,63 @@ class JobConfig(_Section):
                 f"{completions} completions of a step (rollout.prompts_per_step x algorithm.group_size); "
                 "choose a divisor, e.g. 1"
             )
+        return self
+
+    @model_validator(mode="after")
+    def validate_mini_batches_hold_whole_groups(self) -> JobConfig:
+        completions = self.rollout.prompts_per_step * self.algorithm.group_size
         if completions // self.algorithm.updates_per_batch % self.algorithm.group_size != 0:
             raise ValueError(
                 "each mini-batch must hold whole groups: rollout.prompts_per_step must be divisible by "
                 f"algorithm.updates_per_batch ({self.rollout.prompts_per_step} % {self.algorithm.updates_per_batch} != 0)"
             )
+        return self
+
+    @model_validator(mode="after")
+    def validate_room_for_the_prompt(self) -> JobConfig:
         if self.rollout.max_new_tokens >= self.rollout.max_model_len:
             raise ValueError(
                 f"rollout.max_new_tokens={self.rollout.max_new_tokens} leaves no room for the prompt in "
                 f"rollout.max_model_len={self.rollout.max_model_len}; raise max_model_len or lower max_new_tokens"
             )
+        return self
+
+    @model_validator(mode="after")
+    def validate_sleep_only_when_colocated(self) -> JobConfig:
         if self.rollout.sleep_during_update and self.ray.placement == "split":
             raise ValueError(
                 "rollout.sleep_during_update frees the engines' GPU memory for a learner on the same GPUs, but "
                 "ray.placement=split gives them GPUs of their own; set rollout.sleep_during_update=false"
             )
+        return self
+
+    @model_validator(mode="after")
+    def validate_split_placement_has_gpus(self) -> JobConfig:
         if self.ray.placement == "split" and self.rollout.gpus_per_engine == 0 and self.ray.learner_gpus == 0:
             raise ValueError(
                 "ray.placement=split places rollout engines and the learner on different GPUs, but no GPUs are "
                 "requested; set rollout.gpus_per_engine and ray.learner_gpus, or use ray.placement=colocated"
             )
+        return self
+
+    @model_validator(mode="after")
+    def validate_target_accuracy_has_eval_data(self) -> JobConfig:
+        if self.train.target_accuracy is not None and self.data.eval is None:
+            raise ValueError(
+                f"train.target_accuracy={self.train.target_accuracy} stops on held-out accuracy, but data.eval is "
+                "not set, so there is none; set data.eval to a held-out file, or remove train.target_accuracy"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def validate_rewards_resolve(self) -> JobConfig:
+        # Resolving imports user functions and binds kwargs, so an unknown name, a module that does not
+        # import or a keyword the function does not take fails here, before Ray or any model starts.
+        for i, reward in enumerate(self.rewards):
+            try:
+                resolve_reward(RewardSpec(name=reward.name, weight=reward.weight, kwargs=dict(reward.kwargs)))
+            except RewardConfigError as err:
+                raise ValueError(f"rewards[{i}]: {err}") from None
         return self
 
 

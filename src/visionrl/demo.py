@@ -16,6 +16,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -37,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     from visionrl.config import load_config
     from visionrl.data.synthetic import make_dataset
-    from visionrl.evaluate import evaluate_local
+    from visionrl.eval.local import evaluate_local
     from visionrl.models.tiny import build_tiny_model
     from visionrl.orchestrate.loop import train
 
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     train_min = (time.perf_counter() - t0) / 60
     _say("4/5 evaluating base model and trained adapter on the held-out set")
     ev = run / "eval"
-    common = {
+    common: dict[str, Any] = {
         "data": str(data / "eval.jsonl"),
         "max_tokens": cfg.rollout.max_new_tokens,
         "rewards": [r.name for r in cfg.rewards][:1],

@@ -46,16 +46,30 @@ LR = "policy/lr"
 LENGTH_MEAN = "response/length_mean"
 LENGTH_MAX = "response/length_max"
 TRUNCATED_FRACTION = "response/truncated_fraction"
+TIMING_PREFIX = "timing/"
 TIMING_ROLLOUT = "timing/rollout_s"
 TIMING_REWARD = "timing/reward_s"
 TIMING_UPDATE = "timing/update_s"
 TIMING_SYNC = "timing/sync_s"
 TIMING_STEP = "timing/step_s"
+TIMING_PHASES: tuple[str, ...] = (TIMING_ROLLOUT, TIMING_REWARD, TIMING_UPDATE, TIMING_SYNC, TIMING_STEP)
 THROUGHPUT = "throughput/tokens_per_s"
 EVAL_ACCURACY = "eval/accuracy"
 LOGPROB_DIFF = "rollout/logprob_diff"  # engine vs learner log-prob mismatch of the same tokens
 ADAPTER_VERSION = "rollout/adapter_version"
 GROUPS_KEPT = "rollout/groups_kept"  # groups left after dynamic sampling drops zero-signal ones
+SAMPLING_ROUNDS = "rollout/sampling_rounds"  # prompt batches sampled this step (dynamic sampling)
+RESPONSE_TOKENS = "response/tokens"  # completion tokens generated this step
+LEARNER_MICRO_BATCHES = "learner/micro_batches"
+LEARNER_TOKENS = "learner/tokens"
+LEARNER_SEQUENCE_TOKENS = (
+    "learner/sequence_tokens"  # prompt (image tokens included) + completion tokens trained on
+)
+LEARNER_OLD_LOGPROB_S = "learner/old_logprob_s"  # the no-grad pass for mini-batches after the first
+LEARNER_REF_LOGPROB_S = "learner/ref_logprob_s"  # the no-grad reference (adapter off) pass, with kl_coef > 0
+LEARNER_PEAK_MEM = "learner/peak_mem_gib"  # the learner's torch allocator peak during the step (GPUs)
+ENGINE_SLEEP = "timing/engine_sleep_s"  # rollout.sleep_during_update: putting the engines to sleep
+ENGINE_WAKE = "timing/engine_wake_s"  # ... and waking them before the sync
 REWARD_HIST = "reward/hist"
 LENGTH_HIST = "response/length_hist"
 SAMPLES_PREFIX = "samples/"
@@ -84,6 +98,13 @@ REQUIRED_HISTOGRAMS: tuple[str, ...] = (REWARD_HIST, LENGTH_HIST)
 """Histogram tags every training run must write (DESIGN.md)."""
 
 REWARD_COMPONENT_PREFIX = "reward/component/"
+
+
+def timing_tag(phase: str) -> str:
+    """Tag of the wall time of one phase of a step, e.g. `timing/rollout_s` for phase `rollout`."""
+    if not phase or "/" in phase:
+        raise ValueError(f"phase name {phase!r} must be non-empty and without '/'")
+    return f"{TIMING_PREFIX}{phase}_s"
 
 
 def reward_component_tag(name: str) -> str:

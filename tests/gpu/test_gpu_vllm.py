@@ -76,10 +76,10 @@ def test_learner_and_engine_agree_after_syncing_a_nonzero_adapter(model_8b: Path
     adapter matters: the base model's log-probs of those tokens are far off."""
     from visionrl.data import load_dataset
     from visionrl.data.prompts import build_prompt
-    from visionrl.rollout.types import SamplingSpec
     from visionrl.rollout.vllm_engine import VLLMEngine
     from visionrl.train.batching import Sequence
     from visionrl.train.learner import Learner, TrainBatch
+    from visionrl.types import SamplingSpec
 
     cfg = config_from_dict(_job(model_8b, count_data, Path("unused")))
     learner = Learner(cfg, device="cuda")

@@ -14,7 +14,7 @@ from visionrl.errors import OutOfMemory, RunError
 pytestmark = pytest.mark.slow
 
 
-def _cfg(tmp_path: Path):  # noqa: ANN202
+def _cfg(tmp_path: Path):
     return config_from_dict(
         {
             "output_dir": str(tmp_path / "run"),
@@ -31,7 +31,7 @@ def _cfg(tmp_path: Path):  # noqa: ANN202
 class _Failing:
     """Stands in for an actor method: raises inside the actor's memory guard, as the learner's `call` does."""
 
-    def __init__(self, cfg) -> None:  # noqa: ANN001
+    def __init__(self, cfg) -> None:
         self.cfg = cfg
 
     def oom(self) -> None:

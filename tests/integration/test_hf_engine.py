@@ -9,7 +9,7 @@ import torch
 from visionrl.config import LoraConfig
 from visionrl.models.loader import apply_lora, load_base_model
 from visionrl.rollout.hf_engine import HFEngine
-from visionrl.rollout.types import AdapterPayload
+from visionrl.types import AdapterPayload
 
 
 def _payload(model_dir: Path, tmp: Path, seed: int, version: int) -> AdapterPayload:
@@ -54,7 +54,7 @@ def test_merged_generation_equals_the_unmerged_adapter(
 ) -> None:
     from visionrl.data import load_dataset
     from visionrl.data.prompts import build_prompt
-    from visionrl.rollout.types import SamplingSpec
+    from visionrl.types import SamplingSpec
 
     engine = HFEngine(
         str(tiny_model), lora=LoraConfig(rank=8, train_merger=True), forbidden_token_ids=[5], device="cpu"

@@ -10,8 +10,8 @@ import torch
 from visionrl.config import JobConfig, config_from_dict
 from visionrl.data import load_dataset
 from visionrl.data.prompts import build_prompt
-from visionrl.train.batching import Sequence, plan_micro_batches
-from visionrl.train.learner import Learner, TrainBatch, lr_lambda
+from visionrl.train.batching import Sequence
+from visionrl.train.learner import Learner, TrainBatch
 
 
 def _cfg(model_dir: Path, data: Path, **over: dict) -> JobConfig:
@@ -124,29 +124,6 @@ def test_reference_logprobs_are_the_base_model(tiny_model: Path, color_data: Pat
     assert flat(learner.logprobs(batch)) != pytest.approx(flat(base_before))
 
 
-def test_plan_micro_batches_respects_the_budget() -> None:
-    # (prompt, completion) lengths; padded size of a group = rows x (max prompt + max completion).
-    lengths = [(10, 5), (10, 1), (12, 2), (8, 8)]
-    plan = plan_micro_batches(lengths, token_budget=32)
-    assert sorted(i for g in plan for i in g) == [0, 1, 2, 3]
-    for group in plan:
-        p = max(lengths[i][0] for i in group)
-        t = max(lengths[i][1] for i in group)
-        assert len(group) * (p + t) <= 32 or len(group) == 1
-    # 16+15 = longest first: (8,8)=16, (10,5)=15 -> 2 x (10+8) = 36 > 32, so each alone... hand check:
-    assert plan[0] == [3]
-
-
-def test_lr_schedule_warmup_then_cosine() -> None:
-    # warm-up 2 of 10 steps: 1/2, 2/2; then cosine from 1 to min 0.1 over the 8 remaining steps.
-    assert lr_lambda(0, 2, 10, "cosine", 0.1) == pytest.approx(0.5)
-    assert lr_lambda(1, 2, 10, "cosine", 0.1) == pytest.approx(1.0)
-    assert lr_lambda(2, 2, 10, "cosine", 0.1) == pytest.approx(1.0)
-    assert lr_lambda(6, 2, 10, "cosine", 0.1) == pytest.approx(0.1 + 0.9 * 0.5)  # halfway: cos(pi/2)=0
-    assert lr_lambda(10, 2, 10, "cosine", 0.1) == pytest.approx(0.1)
-    assert lr_lambda(7, 0, 10, "constant", 0.1) == 1.0
-
-
 def test_adapter_holds_only_lora_weights(tiny_model: Path, color_data: Path) -> None:
     """With LoRA on lm_head the saved adapter must not carry the frozen base lm_head (huge for real models)."""
     from safetensors.torch import load
@@ -255,7 +232,7 @@ def test_old_logprobs_only_for_minibatches_after_the_first(tiny_model: Path, col
     seen: list[list[int]] = []
     real = learner._precompute
 
-    def spy(encoded, seqs, rows, adapter):  # noqa: ANN001, ANN202
+    def spy(encoded, seqs, rows, adapter):
         seen.append(sorted(rows))
         return real(encoded, seqs, rows, adapter)
 
@@ -263,7 +240,7 @@ def test_old_logprobs_only_for_minibatches_after_the_first(tiny_model: Path, col
     clip = []
     real_update = learner._update
 
-    def spy_update(*args):  # noqa: ANN002, ANN202
+    def spy_update(*args):
         out = real_update(*args)
         clip.append(out["policy/clip_fraction"])
         return out

@@ -17,19 +17,17 @@ from typing import Any
 
 import pytest
 
+from visionrl.adapter.export import export_adapter
+from visionrl.adapter.fetch import fetch_adapter
+from visionrl.adapter.files import MANIFEST_NAME, ExportError
+from visionrl.adapter.manifest import verify_adapter
+from visionrl.adapter.storage import filesystem
 from visionrl.cli import main
-from visionrl.evaluate import evaluate_endpoint, evaluate_local
-from visionrl.export import MANIFEST_NAME, ExportError, export_adapter, verify_adapter
-from visionrl.serve import (
-    ServerHandle,
-    fetch_adapter,
-    list_models,
-    load_adapter,
-    start_server,
-    unload_adapter,
-)
-from visionrl.server_process import ServerError, free_port
-from visionrl.storage import filesystem
+from visionrl.eval.endpoint import evaluate_endpoint
+from visionrl.eval.local import evaluate_local
+from visionrl.serve.adapters import list_models, load_adapter, unload_adapter
+from visionrl.serve.process import ServerError, ServerHandle, free_port
+from visionrl.serve.server import start_server
 
 pytestmark = pytest.mark.slow
 

@@ -180,10 +180,10 @@ def _check_policy_inputs(
     """Raise ValueError naming the bad argument, its value and what is expected."""
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be [B, T], got shape {tuple(logprobs.shape)}")
-    for name, t in (("old_logprobs", old_logprobs), ("mask", mask)):
-        if t.shape != logprobs.shape:
+    for name, other in (("old_logprobs", old_logprobs), ("mask", mask)):
+        if other.shape != logprobs.shape:
             raise ValueError(
-                f"{name} shape {tuple(t.shape)} != logprobs shape {tuple(logprobs.shape)}; both must be "
+                f"{name} shape {tuple(other.shape)} != logprobs shape {tuple(logprobs.shape)}; both must be "
                 "[B, T] over the same response tokens"
             )
     b, t = logprobs.shape

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from visionrl.data.dataset import Sample
-from visionrl.rollout.types import PromptItem
+from visionrl.types import PromptItem
 
 
 def prompt_messages(sample: Sample, system_prompt: str | None = None) -> list[dict[str, Any]]:

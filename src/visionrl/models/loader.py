@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from visionrl.adapter.files import target_regex
 from visionrl.config import LM_PROJECTIONS, MERGER_PROJECTIONS, LoraConfig
 from visionrl.errors import InputError
 
@@ -90,12 +91,8 @@ def load_base_model(
 
 def lora_target_regex(cfg: LoraConfig) -> str:
     """One regex (peft full-match) covering the configured LoRA targets."""
-    if isinstance(cfg.target_modules, str):
-        parts = [cfg.target_modules]
-    else:
-        # Suffixes like ["q_proj", "v_proj"] stay on the language model (never the vision blocks).
-        names = "|".join(sorted(set(cfg.target_modules)))
-        parts = [rf".*language_model.*\.({names})"]
+    # Suffixes like ["q_proj", "v_proj"] stay on the language model (never the vision blocks).
+    parts = [target_regex(cfg.target_modules, within=".*language_model")]
     if cfg.train_merger:
         parts.append(MERGER_PROJECTIONS)
     if cfg.train_lm_head:
@@ -146,7 +143,7 @@ def lora_param_groups(model: Any, lr: float, merger_lr: float | None, lm_head_lr
 
 
 def vision_token_ids(model_config: Any, processor: Any) -> list[int]:
-    """Token ids that must never be sampled: image/video pads and vision delimiters (FACTS.md)."""
+    """Token ids that must never be sampled: image/video pads and vision delimiters (docs/ENGINE_NOTES.md)."""
     ids = {
         getattr(model_config, "image_token_id", None),
         getattr(model_config, "video_token_id", None),

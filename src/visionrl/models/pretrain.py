@@ -1,7 +1,7 @@
 """A short supervised pre-training that turns the random tiny Qwen3-VL into a plausible *base* model.
 
 Real bases (Qwen3-VL-8B) arrive pre-trained: they read images and answer in the expected format. A random
-tiny model does neither, and GRPO from scratch with a pure LoRA adapter stalls (FACTS.md). So the tiny base
+tiny model does neither, and GRPO from scratch with a pure LoRA adapter stalls (docs/ENGINE_NOTES.md). So the tiny base
 is taught, in about half a minute on a CPU, to answer the synthetic `position`, `count` and `sides`
 questions from the image, and to answer the `color` question with a colour word drawn at RANDOM,
 independent of the image. The base thus knows the answer format of the colour task but not the mapping:
@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from PIL import Image
 
 from visionrl.data.synthetic import TASKS, balanced_answers
 from visionrl.train.batching import EncodedPrompt, Sequence, collate
@@ -29,9 +31,9 @@ class PretrainReport:
     seconds: float
 
 
-def _examples(rng: random.Random, num_per_task: int, image_size: int) -> list[tuple[str, object, str]]:
+def _examples(rng: random.Random, num_per_task: int, image_size: int) -> list[tuple[str, Image.Image, str]]:
     """(question, image, target answer) triples; colour answers are random labels."""
-    out = []
+    out: list[tuple[str, Image.Image, str]] = []
     for name in (*TRUE_LABEL_TASKS, RANDOM_LABEL_TASK):
         task = TASKS[name]
         for answer in balanced_answers(rng, task.answers, num_per_task):
@@ -44,7 +46,7 @@ def _examples(rng: random.Random, num_per_task: int, image_size: int) -> list[tu
 
 def pretrain_tiny(
     model: torch.nn.Module,
-    processor: object,
+    processor: Any,
     *,
     seed: int = 0,
     steps: int = 300,

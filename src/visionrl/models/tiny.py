@@ -6,7 +6,7 @@ a Qwen3-VL with the real architecture (vision tower, merger, deepstack, M-RoPE t
 and generation config of a normal checkpoint. Stock `AutoModelForImageTextToText.from_pretrained(DIR)`,
 `AutoProcessor.from_pretrained(DIR)` and vLLM load the directory.
 
-The shapes follow FACTS.md: they satisfy both transformers' and vLLM's CPU kernels (head_dim 32,
+The shapes follow docs/ENGINE_NOTES.md: they satisfy both transformers' and vLLM's CPU kernels (head_dim 32,
 mrope_section summing to head_dim/2, out_hidden_size == text hidden size).
 """
 
@@ -54,7 +54,7 @@ VOCAB_MULTIPLE = 64  # the model's vocab equals the tokenizer's, padded with unu
 
 
 def tiny_config_dict(vocab_size: int, token_ids: dict[str, int]) -> dict:
-    """The config of the tiny model (see FACTS.md for why each number)."""
+    """The config of the tiny model (see docs/ENGINE_NOTES.md for why each number)."""
     return {
         "architectures": ["Qwen3VLForConditionalGeneration"],
         "model_type": "qwen3_vl",

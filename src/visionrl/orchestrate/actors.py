@@ -22,7 +22,8 @@ import ray
 from visionrl.config import JobConfig, RayConfig
 from visionrl.errors import out_of_memory
 from visionrl.rewards import RewardSpec, build_reward_fn
-from visionrl.rollout.types import AdapterPayload, Completion, PromptItem, SamplingSpec
+from visionrl.rollout.factory import make_engine
+from visionrl.types import AdapterPayload, Completion, PromptItem, SamplingSpec
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +114,14 @@ class RolloutActor:
             torch.set_num_threads(cfg.train.torch_threads)
         self.cfg = cfg
         with _memory_guard("rollout engine", "start-up", cfg):
-            self.engine = make_engine(cfg, forbidden, seed)
+            self.engine = make_engine(
+                cfg.model.path,
+                lora=cfg.lora,
+                rollout=cfg.rollout,
+                forbidden_token_ids=forbidden,
+                dtype=cfg.model.dtype,
+                seed=seed,
+            )
 
     def generate(self, prompts: list[PromptItem], spec: SamplingSpec) -> list[list[Completion]]:
         with _memory_guard("rollout engine", "generation", self.cfg):
@@ -158,31 +166,6 @@ def _placement() -> dict[str, Any]:
     return {"node": ctx.get_node_id()[:8], "gpus": [str(g) for g in ray.get_gpu_ids()]}
 
 
-def make_engine(cfg: JobConfig, forbidden: list[int], seed: int) -> Any:
-    """The configured rollout engine (plain object; also used without Ray by `visionrl eval`)."""
-    if cfg.rollout.engine == "vllm":
-        from visionrl.rollout.vllm_engine import VLLMEngine
-
-        return VLLMEngine(
-            cfg.model.path,
-            lora_rank=cfg.lora.rank,
-            tower_lora=cfg.lora.train_merger,
-            forbidden_token_ids=forbidden,
-            dtype=cfg.model.dtype,
-            max_model_len=cfg.rollout.max_model_len,
-            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
-            enforce_eager=cfg.rollout.enforce_eager,
-            kv_cache_gib=cfg.rollout.kv_cache_gib,
-            seed=seed,
-            sleep_mode=cfg.rollout.sleep_during_update,
-        )
-    from visionrl.rollout.hf_engine import HFEngine
-
-    return HFEngine(
-        cfg.model.path, lora=cfg.lora, forbidden_token_ids=forbidden, dtype=cfg.model.dtype, seed=seed
-    )
-
-
 def reward_specs(cfg: JobConfig) -> list[RewardSpec]:
     return [RewardSpec(name=r.name, weight=r.weight, kwargs=dict(r.kwargs)) for r in cfg.rewards]
 
@@ -209,15 +192,16 @@ def start_actors(cfg: JobConfig) -> tuple[Any, list[Any], list[Any]]:
         # Expandable segments: the learner's activations change size every micro-batch, and fixed segments
         # fragment. Learner only: vLLM's sleep mode refuses them in the engine's process.
         learner_opts["runtime_env"] = {"env_vars": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}}
-    learner = LearnerActor.options(**learner_opts).remote(cfg)
+    # mypy keeps a class's own type under a class decorator; `@ray.remote` adds `.options` at run time.
+    learner = LearnerActor.options(**learner_opts).remote(cfg)  # type: ignore[attr-defined]
     forbidden = ray.get(learner.forbidden_token_ids.remote())
     engines = [
-        RolloutActor.options(**opts).remote(cfg, forbidden, cfg.train.seed + i)
+        RolloutActor.options(**opts).remote(cfg, forbidden, cfg.train.seed + i)  # type: ignore[attr-defined]
         for i, opts in enumerate(engine_opts)
     ]
     specs = reward_specs(cfg)
     rewards = [
-        RewardActor.options(num_cpus=0).remote(specs, cfg.ray.reward_timeout_s)
+        RewardActor.options(num_cpus=0).remote(specs, cfg.ray.reward_timeout_s)  # type: ignore[attr-defined]
         for _ in range(cfg.ray.num_reward_workers)
     ]
     # Fail early, with the actor's own error, if any of them cannot start; say where each one runs.

@@ -10,19 +10,24 @@ import logging
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import ray
 import torch
 
+from visionrl import metrics as tags
 from visionrl.algo import group_advantages, group_stats, groups_with_signal
+from visionrl.checkpoint import latest_checkpoint
 from visionrl.config import JobConfig, dump_config
 from visionrl.errors import InputError, OutOfMemory, RunError
+from visionrl.metrics import MetricsWriter, Progress
 from visionrl.orchestrate.actors import ray_session, start_actors
 from visionrl.orchestrate.workers import PromptStream, Workers, merge_results, rollout_samples
 from visionrl.rewards import RewardResult
-from visionrl.rollout.types import Completion, PromptItem, SamplingSpec
+from visionrl.run_layout import STEP_PREFIX, RunDir
 from visionrl.train.batching import Sequence
 from visionrl.train.learner import TrainBatch
+from visionrl.types import Completion, PromptItem, SamplingSpec
 
 logger = logging.getLogger(__name__)
 
@@ -33,34 +38,32 @@ class TrainResult:
     adapter_dir: Path
     steps: int
     eval_accuracy: float | None
-    history: list[dict[str, float]]
+    history: list[dict[str, Any]]  # one dict of metrics per step (eval/accuracy None without eval data)
 
 
 def train(cfg: JobConfig, resume: bool = False) -> TrainResult:
     """Run the job; on a dead actor or engine raise RunError naming the newest checkpoint to resume from."""
-    run = Path(cfg.output_dir)
-    if not resume and (run / "checkpoints").is_dir() and any((run / "checkpoints").glob("step_*")):
+    run = RunDir.of(cfg.output_dir)
+    if not resume and run.checkpoints.is_dir() and any(run.checkpoints.glob(f"{STEP_PREFIX}*")):
         raise InputError(
             f"output_dir {run} holds checkpoints of an earlier run; continue it with `--resume`, "
             "or set output_dir to a new directory (nothing was overwritten)"
         )
     prompts_in = PromptStream(cfg)  # data and processor first: bad paths fail in seconds, before Ray
-    run.mkdir(parents=True, exist_ok=True)
-    (run / "config.yaml").write_text(dump_config(cfg))
+    run.root.mkdir(parents=True, exist_ok=True)
+    run.config.write_text(dump_config(cfg))
     if not resume:
-        (run / "history.jsonl").unlink(missing_ok=True)
+        run.history.unlink(missing_ok=True)
     try:
         with ray_session(cfg.ray):
             return _train(cfg, run, resume, prompts_in)
     except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as err:
-        raise run_error(err, run) from err
+        raise run_error(err, run.root) from err
 
 
 def run_error(err: BaseException, run: Path) -> RunError:
     """What the user sees when an actor failed: the cause raised inside it (not Ray's wrapper), and where to
     resume from."""
-    from visionrl.checkpoint import latest_checkpoint
-
     ckpt = latest_checkpoint(run)
     where = (
         f"the newest checkpoint is {ckpt}; continue with `visionrl train CONFIG --resume`"
@@ -75,15 +78,14 @@ def run_error(err: BaseException, run: Path) -> RunError:
     return RunError(f"a worker of the run failed: {_first_line(err)}\n{where}")
 
 
-def _train(cfg: JobConfig, run: Path, resume: bool, prompts_in: PromptStream) -> TrainResult:
-    from visionrl.metrics import MetricsWriter, Progress
-
+def _train(cfg: JobConfig, run: RunDir, resume: bool, prompts_in: PromptStream) -> TrainResult:
     G, spec, clock = cfg.algorithm.group_size, _sampling_spec(cfg), StepClock()
-    with MetricsWriter(run / "tensorboard") as tb:
+    with MetricsWriter(run.tensorboard) as tb:
         workers = Workers(*start_actors(cfg), cfg)
-        start = workers.resume(run, prompts_in) if resume else 0
-        _trim_history(run / "history.jsonl", start)  # steps after the checkpoint will be run again
-        progress, history, acc, above = Progress(cfg.train.steps, start_step=start), [], None, 0
+        start = workers.resume(run.root, prompts_in) if resume else 0
+        _trim_history(run.history, start)  # steps after the checkpoint will be run again
+        progress, acc, above = Progress(cfg.train.steps, start_step=start), None, 0
+        history: list[dict[str, Any]] = []
         for step in range(start + 1, cfg.train.steps + 1):
             clock.start()
             # 1-3. sample prompts, roll out group_size completions each, reward them (see _collect)
@@ -98,26 +100,28 @@ def _train(cfg: JobConfig, run: Path, resume: bool, prompts_in: PromptStream) ->
             with clock("sync"):  # 6. sync: the new adapter version to every engine (if there was an update)
                 if stats:
                     workers.sync_adapter()
-            m = {
+            m: dict[str, Any] = {
                 **_step_metrics(rewards, completions, scores, stats, G, int(got.keep.sum())),
-                "rollout/sampling_rounds": float(got.rounds),
+                tags.SAMPLING_ROUNDS: float(got.rounds),
                 **clock.metrics(),
             }
             if step % cfg.logging.eval_every == 0 or step == cfg.train.steps:  # 7. log, maybe evaluate ...
-                m["eval/accuracy"] = acc = workers.evaluate(prompts_in.eval_prompts())
+                m[tags.EVAL_ACCURACY] = acc = workers.evaluate(
+                    prompts_in.eval_prompts()
+                )  # None: no eval data
                 above = above + 1 if acc is not None and acc >= (cfg.train.target_accuracy or 2.0) else 0
             _log(tb, run, step, m, rewards, completions, prompts, scores, cfg)
             history.append({"step": step, **m})
-            progress.update(step, reward=m["reward/mean"], acc=acc)
-            stop = above >= 2  # two consecutive evals at the target (evals swing, FACTS.md)
+            progress.update(step, reward=m[tags.REWARD_MEAN], acc=acc)
+            stop = above >= 2  # two consecutive evals at the target (evals swing, docs/ENGINE_NOTES.md)
             if step % cfg.logging.save_every == 0 or step == cfg.train.steps or stop:  # ... maybe checkpoint
-                workers.checkpoint(run, step, prompts_in)
+                workers.checkpoint(run.root, step, prompts_in)
             if stop:
                 break
         progress.close()
-        adapter_dir = workers.export_final(run, acc)  # end: the adapter, with its manifest
+        adapter_dir = workers.export_final(run.root, acc)  # end: the adapter, with its manifest
         workers.close()
-    return TrainResult(run, adapter_dir, history[-1]["step"] if history else start, acc, history)
+    return TrainResult(run.root, adapter_dir, history[-1]["step"] if history else start, acc, history)
 
 
 def _first_line(err: BaseException) -> str:
@@ -153,8 +157,8 @@ class StepClock:
         self._times[self._phase] += time.perf_counter()
 
     def metrics(self) -> dict[str, float]:
-        out = {f"timing/{k}_s": v for k, v in self._times.items()}
-        out["timing/step_s"] = time.perf_counter() - self._t0
+        out = {tags.timing_tag(k): v for k, v in self._times.items()}
+        out[tags.TIMING_STEP] = time.perf_counter() - self._t0
         return out
 
 
@@ -188,7 +192,10 @@ def _collect(
     until prompts_per_step such groups are found; surplus groups are dropped. Metrics cover every sampled group."""
     G, want = cfg.algorithm.group_size, cfg.rollout.prompts_per_step
     rounds_max = cfg.algorithm.max_sampling_rounds if cfg.algorithm.dynamic_sampling else 1
-    prompts, completions, parts, keep = [], [], [], []
+    prompts: list[PromptItem] = []
+    completions: list[list[Completion]] = []
+    parts: list[RewardResult] = []
+    keep: list[bool] = []
     for r in range(rounds_max):
         batch = prompts_in.next_batch()  # 1. sample prompts
         with clock("rollout"):  # 2. rollout with the current adapter
@@ -219,7 +226,13 @@ def _collect(
     )
 
 
-def _train_batch(prompts, completions, adv: torch.Tensor, keep: torch.Tensor, G: int) -> TrainBatch:  # noqa: ANN001
+def _train_batch(
+    prompts: list[PromptItem],
+    completions: list[list[Completion]],
+    adv: torch.Tensor,
+    keep: torch.Tensor,
+    G: int,
+) -> TrainBatch:
     """Flatten the kept groups into sequences (each names its prompt)."""
     seqs = [
         Sequence(
@@ -235,41 +248,58 @@ def _train_batch(prompts, completions, adv: torch.Tensor, keep: torch.Tensor, G:
     return TrainBatch(prompts=prompts, sequences=seqs)
 
 
-def _step_metrics(rewards, completions, scores, stats: dict, G: int, n_kept: int) -> dict[str, float]:  # noqa: ANN001
+def _step_metrics(
+    rewards: torch.Tensor,
+    completions: list[list[Completion]],
+    scores: RewardResult,
+    stats: dict[str, float],
+    G: int,
+    n_kept: int,
+) -> dict[str, float]:
     flat = [c for group in completions for c in group]
     lengths = torch.tensor([len(c.token_ids) for c in flat], dtype=torch.float32)
     gs = group_stats(rewards, G)
     m: dict[str, float] = {
-        "reward/mean": float(rewards.mean()),
-        "reward/std": float(rewards.std(unbiased=False)),
-        "reward/zero_std_fraction": float(gs["zero_std_fraction"]),
-        "reward/errors": float(sum(scores.num_errors.values())),
-        "reward/timeouts": float(sum(scores.num_timeouts.values())),
-        "response/length_mean": float(lengths.mean()),
-        "response/length_max": float(lengths.max()),
-        "response/truncated_fraction": sum(c.truncated for c in flat) / len(flat),
-        "response/tokens": float(lengths.sum()),
-        "rollout/groups_kept": float(n_kept),
-        "rollout/adapter_version": float(flat[0].adapter_version),
+        tags.REWARD_MEAN: float(rewards.mean()),
+        tags.REWARD_STD: float(rewards.std(unbiased=False)),
+        tags.ZERO_STD_FRACTION: float(gs["zero_std_fraction"]),
+        tags.REWARD_ERRORS: float(sum(scores.num_errors.values())),
+        tags.REWARD_TIMEOUTS: float(sum(scores.num_timeouts.values())),
+        tags.LENGTH_MEAN: float(lengths.mean()),
+        tags.LENGTH_MAX: float(lengths.max()),
+        tags.TRUNCATED_FRACTION: sum(c.truncated for c in flat) / len(flat),
+        tags.RESPONSE_TOKENS: float(lengths.sum()),
+        tags.GROUPS_KEPT: float(n_kept),
+        tags.ADAPTER_VERSION: float(flat[0].adapter_version),
     }
     for name, values in scores.per_reward.items():
-        m[f"reward/component/{name}"] = sum(values) / len(values)
+        m[tags.reward_component_tag(name)] = sum(values) / len(values)
     for k, v in stats.items():
-        if "/" in k:
+        if "/" in k:  # the learner's tags (metrics.py); plain keys are its internal counters
             m[k] = float(v)
-    m.setdefault("loss/policy", 0.0)
-    m.setdefault("loss/kl", 0.0)
+    m.setdefault(tags.LOSS_POLICY, 0.0)
+    m.setdefault(tags.LOSS_KL, 0.0)
     return m
 
 
-def _log(tb, run: Path, step: int, m: dict, rewards, completions, prompts, scores, cfg: JobConfig) -> None:  # noqa: ANN001
-    m["throughput/tokens_per_s"] = m["response/tokens"] / max(m["timing/step_s"], 1e-9)
-    with open(run / "history.jsonl", "a") as f:  # appended every step: a killed run keeps its history
+def _log(
+    tb: MetricsWriter,
+    run: RunDir,
+    step: int,
+    m: dict[str, Any],
+    rewards: torch.Tensor,
+    completions: list[list[Completion]],
+    prompts: list[PromptItem],
+    scores: RewardResult,
+    cfg: JobConfig,
+) -> None:
+    m[tags.THROUGHPUT] = m[tags.RESPONSE_TOKENS] / max(m[tags.TIMING_STEP], 1e-9)
+    with open(run.history, "a") as f:  # appended every step: a killed run keeps its history
         f.write(json.dumps({"step": step, **m}) + "\n")
     if step % cfg.logging.log_every == 0:
         tb.scalars(step, m)
-        tb.histogram(step, "reward/hist", rewards)
-        tb.histogram(step, "response/length_hist", [len(c.token_ids) for g in completions for c in g])
+        tb.histogram(step, tags.REWARD_HIST, rewards)
+        tb.histogram(step, tags.LENGTH_HIST, [len(c.token_ids) for g in completions for c in g])
     if step % cfg.logging.images_every == 0 or step == 1:
         samples = rollout_samples(prompts, completions, scores.total, cfg.logging.num_images)
         tb.rollout_images(step, samples)

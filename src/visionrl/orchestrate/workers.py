@@ -15,13 +15,16 @@ from typing import Any
 
 import ray
 
+from visionrl import metrics as tags
 from visionrl.config import JobConfig
 from visionrl.data import PromptSampler, load_dataset
 from visionrl.data.prompts import build_prompt
+from visionrl.metrics import RolloutSample
 from visionrl.models.loader import load_processor
-from visionrl.rewards import RewardResult, build_reward_fn
-from visionrl.rollout.types import Completion, PromptItem, SamplingSpec
+from visionrl.rewards import CombinedReward, RewardResult, build_reward_fn
+from visionrl.run_layout import RunDir
 from visionrl.train.learner import TrainBatch
+from visionrl.types import Completion, PromptItem, SamplingSpec
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +83,7 @@ class _RemoteEngine:
 class Workers:
     def __init__(self, learner: Any, engines: list[Any], rewards: list[Any], cfg: JobConfig) -> None:
         self.learner, self.engines, self.rewards, self.cfg = learner, engines, rewards, cfg
-        self._eval_reward = None
+        self._eval_reward: CombinedReward | None = None
 
     # 2. rollout
     def rollout(self, prompts: list[PromptItem], spec: SamplingSpec) -> list[list[Completion]]:
@@ -115,8 +118,8 @@ class Workers:
         t2 = time.perf_counter()
         if sleep:
             ray.get([e.wake_up.remote() for e in self.engines])
-            stats["timing/engine_sleep_s"] = t1 - t0
-            stats["timing/engine_wake_s"] = time.perf_counter() - t2
+            stats[tags.ENGINE_SLEEP] = t1 - t0
+            stats[tags.ENGINE_WAKE] = time.perf_counter() - t2
         return stats
 
     def memory(self) -> dict[str, dict[str, float]]:
@@ -139,8 +142,8 @@ class Workers:
     def evaluate(self, prompts: list[PromptItem]) -> float | None:
         if not prompts:
             return None
-        from visionrl.eval_report import accuracy
-        from visionrl.evaluate import evaluate_prompts
+        from visionrl.eval.local import evaluate_prompts
+        from visionrl.eval.report import accuracy
         from visionrl.orchestrate.actors import reward_specs
 
         if self._eval_reward is None:
@@ -188,9 +191,10 @@ class Workers:
 
     # end of run
     def export_final(self, run: Path, accuracy: float | None) -> Path:
-        from visionrl.export import MANIFEST_NAME, build_manifest
+        from visionrl.adapter.manifest import build_manifest, write_manifest
+        from visionrl.adapter.storage import filesystem
 
-        adapter_dir = run / "adapter"
+        adapter_dir = RunDir(run).adapter
         ray.get(self.learner.call.remote("save_adapter", str(adapter_dir)))
         eval_results = {"accuracy": accuracy} if accuracy is not None else None
         manifest = build_manifest(
@@ -200,9 +204,7 @@ class Workers:
             eval_results=eval_results,
         )
         # Written last and atomically: a reader that finds the manifest finds a complete adapter.
-        tmp = adapter_dir / f".{MANIFEST_NAME}.tmp"
-        tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-        tmp.replace(adapter_dir / MANIFEST_NAME)
+        write_manifest(*filesystem(adapter_dir), manifest)
         return adapter_dir
 
     def close(self) -> None:
@@ -233,10 +235,8 @@ def merge_results(parts: list[RewardResult]) -> RewardResult:
 
 def rollout_samples(
     prompts: list[PromptItem], completions: list[list[Completion]], totals: list[float], n: int
-):  # noqa: ANN201
+) -> list[RolloutSample]:
     """A few rollouts (the first completion of the first `n` groups) for the TensorBoard picture grid."""
-    from visionrl.metrics import RolloutSample
-
     out = []
     G = len(completions[0]) if completions else 1
     for i, (p, group) in enumerate(zip(prompts[:n], completions[:n], strict=False)):

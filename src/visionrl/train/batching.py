@@ -98,7 +98,10 @@ def collate(
     comp = torch.full((B, T), pad_id, dtype=torch.long)
     comp_mask = torch.zeros((B, T))
     samp = torch.zeros((B, T))
-    pixels, grids, sources, distinct = [], [], [], {}
+    pixels: list[torch.Tensor] = []
+    grids: list[torch.Tensor] = []
+    sources: list[int] = []
+    distinct: dict[int, int] = {}
     for b, s in enumerate(chosen):
         ep = prompts[s.prompt]
         n, k = len(ep.input_ids), len(s.completion_ids)
@@ -111,7 +114,7 @@ def collate(
             comp[b, :k] = ids
             comp_mask[b, :k] = 1.0
             samp[b, :k] = torch.tensor(s.sampling_logprobs[:k], dtype=torch.float32)
-        if ep.pixel_values is not None:
+        if ep.pixel_values is not None and ep.image_grid_thw is not None:
             grids.append(ep.image_grid_thw)
             key = s.prompt if share_images else -1 - b  # without sharing every row is its own source
             if key not in distinct:

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from visionrl import metrics as tags
 from visionrl.algo import aggregate, kl_penalty, masked_mean, policy_loss
 from visionrl.config import JobConfig
 from visionrl.gpu_memory import device_memory
@@ -34,9 +35,9 @@ from visionrl.models.loader import (
     lora_param_groups,
     vision_token_ids,
 )
-from visionrl.rollout.types import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterPayload, PromptItem
 from visionrl.train.batching import EncodedPrompt, MicroBatch, Sequence, collate, plan_micro_batches
 from visionrl.train.forward import SharedImages, completion_stats
+from visionrl.types import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterPayload, PromptItem
 
 
 @dataclass
@@ -132,7 +133,7 @@ class Learner:
             "mm_token_type_ids": mb.mm_token_type_ids.to(dev),
             "use_cache": False,
         }
-        if mb.pixel_values is not None:
+        if mb.pixel_values is not None and mb.image_grid_thw is not None:
             kwargs["pixel_values"] = mb.pixel_values.to(dev, dtype=self.model.dtype)
             kwargs["image_grid_thw"] = mb.image_grid_thw.to(dev)
         inner = self.model.get_base_model()  # the VLM with LoRA layers injected (peft toggles them)
@@ -198,12 +199,12 @@ class Learner:
             for k, v in metrics.items():
                 totals[k] = totals.get(k, 0.0) + v / n_updates
         self.version += 1
-        totals["learner/tokens"] *= n_updates  # a sum over the mini-batches, not a mean
-        totals["learner/sequence_tokens"] *= n_updates
-        totals["learner/old_logprob_s"] = t2 - t1
-        totals["learner/ref_logprob_s"] = t3 - t2
+        totals[tags.LEARNER_TOKENS] *= n_updates  # a sum over the mini-batches, not a mean
+        totals[tags.LEARNER_SEQUENCE_TOKENS] *= n_updates
+        totals[tags.LEARNER_OLD_LOGPROB_S] = t2 - t1
+        totals[tags.LEARNER_REF_LOGPROB_S] = t3 - t2
         if self.device.type == "cuda":
-            totals["learner/peak_mem_gib"] = torch.cuda.max_memory_reserved(self.device) / 2**30
+            totals[tags.LEARNER_PEAK_MEM] = torch.cuda.max_memory_reserved(self.device) / 2**30
         totals["update_s"] = time.perf_counter() - t0
         totals["adapter_version"] = float(self.version)
         return totals
@@ -231,7 +232,7 @@ class Learner:
         rows = [torch.nn.functional.pad(store[r][:T], (0, max(0, T - len(store[r])))) for r in mb.rows]
         return torch.stack(rows).to(self.device)
 
-    def _update(self, encoded, seqs, rows, old, ref) -> dict[str, float]:  # noqa: ANN001
+    def _update(self, encoded, seqs, rows, old, ref) -> dict[str, float]:
         """One optimizer step over the mini-batch `rows`, accumulated over its micro-batches."""
         algo, cfg = self.cfg.algorithm, self.cfg
         self.model.train()
@@ -275,25 +276,25 @@ class Learner:
             with torch.no_grad():
                 samp = mb.sampling_logprobs.to(self.device)
                 for k, v in {
-                    "loss/policy": loss.detach(),
-                    "loss/kl": kl.detach(),
-                    "loss/total": total.detach(),
-                    "policy/clip_fraction": pm["clip_fraction"] * w,
-                    "policy/approx_kl": pm["approx_kl"] * w,
-                    "policy/entropy": masked_mean(entropy.detach(), mask) * w,
-                    "rollout/logprob_diff": masked_mean((lp.detach() - samp).abs(), mask) * w,
+                    tags.LOSS_POLICY: loss.detach(),
+                    tags.LOSS_KL: kl.detach(),
+                    tags.LOSS_TOTAL: total.detach(),
+                    tags.CLIP_FRACTION: pm["clip_fraction"] * w,
+                    tags.APPROX_KL: pm["approx_kl"] * w,
+                    tags.ENTROPY: masked_mean(entropy.detach(), mask) * w,
+                    tags.LOGPROB_DIFF: masked_mean((lp.detach() - samp).abs(), mask) * w,
                 }.items():
                     acc[k] = acc[k] + v if k in acc else v
         grad_norm = torch.nn.utils.clip_grad_norm_(
             [p for p in self.model.parameters() if p.requires_grad], cfg.train.max_grad_norm
         )
-        acc["policy/grad_norm"] = grad_norm.detach()
+        acc[tags.GRAD_NORM] = grad_norm.detach()
         names = list(acc)
         out = dict(zip(names, torch.stack([acc[k].float() for k in names]).tolist(), strict=True))
-        out["policy/lr"] = self.scheduler.get_last_lr()[0]
-        out["learner/micro_batches"] = float(len(mbs))
-        out["learner/tokens"] = num_tokens
-        out["learner/sequence_tokens"] = float(sum(mb.sequence_tokens for mb in mbs))
+        out[tags.LR] = float(self.scheduler.get_last_lr()[0])
+        out[tags.LEARNER_MICRO_BATCHES] = float(len(mbs))
+        out[tags.LEARNER_TOKENS] = num_tokens
+        out[tags.LEARNER_SEQUENCE_TOKENS] = float(sum(mb.sequence_tokens for mb in mbs))
         self.optimizer.step()
         self.scheduler.step()
         return out

@@ -20,20 +20,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from visionrl.adapter.export import export_adapter
+from visionrl.adapter.fetch import fetch_adapter
+from visionrl.adapter.files import MANIFEST_NAME, ExportError
 from visionrl.errors import InputError
-from visionrl.export import MANIFEST_NAME, ExportError, export_adapter
-from visionrl.serve import (
-    ServedAdapter,
-    fetch_adapter,
-    list_models,
-    load_adapter,
-    run_server,
-    served_adapter,
-    server_command,
-    server_env,
-    unload_adapter,
-)
-from visionrl.server_process import ServerError, ServerHandle, free_port, root_url
+from visionrl.serve.adapters import ServedAdapter, list_models, load_adapter, served_adapter, unload_adapter
+from visionrl.serve.process import ServerError, ServerHandle, free_port, root_url
+from visionrl.serve.server import run_server, server_command, server_env
 
 LM_TARGETS = r".*language_model.*\.(q_proj|v_proj)"
 MERGER_TARGETS = r".*language_model.*\.(q_proj|v_proj)|.*visual\.merger\.(linear_fc1|linear_fc2)"
@@ -221,7 +214,7 @@ def test_unservable_adapter_and_bad_names_are_refused(tmp_path: Path) -> None:
     (["color"], "is not NAME=SRC"), (["=s3://b/p"], "is not NAME=SRC"), (["a=x", "a=y"], "given twice"),
 ])  # fmt: skip
 def test_serve_refuses_bad_adapter_arguments_before_starting(adapters: list[str], fragment: str) -> None:
-    from visionrl.serve import serve
+    from visionrl.serve.server import serve
 
     with pytest.raises(InputError, match=fragment):
         serve("base", adapters, port=free_port())
@@ -296,6 +289,7 @@ def test_handle_waits_until_ready_and_stops_cleanly(fake_server: ServerHandle, t
     assert "fake server: loading" in log and f"stopping on signal {int(signal.SIGTERM)}" in log
 
 
+@pytest.mark.slow  # starts a (fake) server process
 def test_early_exit_is_reported_with_the_log_tail(tmp_path: Path) -> None:
     handle = _fake_handle("die", tmp_path)
     try:
@@ -306,6 +300,7 @@ def test_early_exit_is_reported_with_the_log_tail(tmp_path: Path) -> None:
         handle.stop()
 
 
+@pytest.mark.slow  # starts a (fake) server process
 def test_run_server_forwards_sigterm_and_returns_0(
     fake_server: ServerHandle, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -320,6 +315,7 @@ def test_run_server_forwards_sigterm_and_returns_0(
     assert signal.getsignal(signal.SIGTERM) == before  # our handler is gone again
 
 
+@pytest.mark.slow  # starts a (fake) server process
 def test_run_server_fails_when_the_server_dies(
     fake_server: ServerHandle, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -328,6 +324,7 @@ def test_run_server_fails_when_the_server_dies(
     assert "exited with code -9" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # starts a (fake) server process
 def test_run_server_fails_when_the_server_cannot_start(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -345,7 +342,7 @@ class _AdapterAPI(BaseHTTPRequestHandler):
     loaded: dict[str, str] = {}
     bodies: list[tuple[str, dict[str, Any]]] = []
 
-    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+    def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         self.bodies.append((self.path, body))
         name = body["lora_name"]
@@ -359,7 +356,7 @@ class _AdapterAPI(BaseHTTPRequestHandler):
             error = {"error": {"message": f"The lora adapter '{name}' cannot be found.", "code": 404}}
             self._send(404, json.dumps(error).encode())
 
-    def do_GET(self) -> None:  # noqa: N802
+    def do_GET(self) -> None:
         self._send(200, json.dumps({"data": [{"id": n} for n in ["base", *self.loaded]]}).encode())
 
     def _send(self, status: int, body: bytes) -> None:

@@ -13,7 +13,7 @@ import yaml
 
 from visionrl.cli import EXIT_BAD_INPUT, build_parser, main
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "configs" / "demo.yaml"
 CONSOLE_SCRIPT = Path(sys.executable).with_name("visionrl")
 HEAVY = ("torch", "vllm", "ray", "transformers", "PIL")
@@ -167,3 +167,18 @@ def test_make_data_needs_a_task(tmp_path: Path, capsys: pytest.CaptureFixture[st
         main(["make-data", str(tmp_path / "d")])
     assert info.value.code == 2
     assert "--task" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["rewards=[{name: exact_mach}]"], "unknown reward 'exact_mach'"),
+        (["rewards=[{name: 'no_such_module_xyz:score'}]"], "importing module 'no_such_module_xyz' failed"),
+        (["data.eval=null"], "but data.eval is not set"),
+        (["train.betas=[0.9, 1.0]"], "each of train.betas must lie in [0, 1)"),
+    ],
+)
+def test_validate_rejects_bad_rules_with_exit_2(overrides: list[str], message: str) -> None:
+    result = visionrl("validate", str(DEMO), *overrides)
+    assert result.returncode == EXIT_BAD_INPUT
+    assert message in result.stderr and "Traceback" not in result.stderr

@@ -1,6 +1,8 @@
-"""Small typed payloads passed between the loop, rollout engines, reward workers and the learner.
+"""Small typed payloads shared across layers: prompts, sampling settings, completions, generations, adapters.
 
-They cross process boundaries (Ray), so they hold plain data: token ids, floats, strings, PIL images.
+This module sits at the bottom of the import graph (it imports nothing from visionrl), so the loop, the
+engines, the learner, evaluation and serving all depend on it and never on each other for their data. The
+payloads cross process boundaries (Ray), so they hold plain data: token ids, floats, strings, PIL images.
 """
 
 from __future__ import annotations
@@ -51,6 +53,21 @@ class Completion:
         return self.finish_reason == "length"
 
 
+@dataclass
+class Generation:
+    """One prompt's answer from any backend (a local engine or a served endpoint), before scoring.
+
+    `text` is None when the request or generation failed, and `error` then says why. `latency_ms` is the
+    time this answer took (for batched local generation: the batch's wall time divided by its size).
+    """
+
+    text: str | None
+    num_tokens: int = 0
+    latency_ms: float = 0.0
+    finish_reason: str | None = None
+    error: str | None = None
+
+
 # The files of a PEFT LoRA adapter that visionrl moves around (sync, checkpoints, export, evaluation).
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -79,6 +96,18 @@ class RolloutEngine(Protocol):
 
     def adapter_version(self) -> int:
         """The adapter version this engine serves (0 = base model)."""
+        ...
+
+    def sleep(self) -> None:
+        """Release what the engine can while the learner updates (a no-op where nothing can be released)."""
+        ...
+
+    def wake_up(self) -> None:
+        """Undo `sleep`; `generate` and `load_adapter` wake a sleeping engine themselves."""
+        ...
+
+    def memory(self) -> dict[str, float]:
+        """GPU memory figures of the engine's process (`gpu_memory.device_memory`); empty on CPUs."""
         ...
 
     def close(self) -> None: ...

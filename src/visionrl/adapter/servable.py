@@ -4,20 +4,21 @@ A pure check of an adapter's `adapter_config.json` (and, when at hand, the names
 tensors in its `adapter_model.safetensors`) against what vLLM loads and applies for Qwen3-VL: the allowed
 `max_lora_rank` values, the modules vLLM puts LoRA on (language-model projections, `lm_head`, and the
 vision merger behind `--enable-tower-connector-lora`; never the vision tower blocks), and peft features
-vLLM refuses. `visionrl.export` runs it before every export; no I/O happens here.
+vLLM refuses. Export runs it before every export and serving before every adapter; no I/O happens here.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from visionrl.rollout.vllm_engine import VLLM_LORA_RANKS, vllm_max_lora_rank
+from visionrl.adapter.files import target_regex
+from visionrl.rollout.vllm_platform import VLLM_LORA_RANKS, vllm_max_lora_rank
 
 # Module-name patterns (peft names, e.g. `model.language_model.layers.0.self_attn.q_proj`) by what vLLM
 # does with LoRA on them, first match wins. Only the merger needs `--enable-tower-connector-lora`
-# (FACTS.md); the rest of the vision tower ("vision_tower") and anything else ("other") is not applied.
+# (docs/ENGINE_NOTES.md); the rest of the vision tower ("vision_tower") and anything else ("other") is not applied.
 _MODULE_KINDS: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("language_model", re.compile(r"(^|\.)language_model\.(.+\.)?(q|k|v|o|gate|up|down)_proj$")),
     ("lm_head", re.compile(r"(^|\.)lm_head$")),
@@ -67,19 +68,17 @@ def adapter_module_names(tensor_names: Iterable[str]) -> list[str]:
     return sorted(names)
 
 
-def _targeted_modules(target_modules: str | list[str] | None, candidates: Iterable[str]) -> list[str]:
-    """The candidates peft would target: a string is a regex (full match), a list holds exact names or
-    dot-delimited suffixes (peft's rules)."""
+def _targeted_modules(target_modules: str | Sequence[str] | None, candidates: Iterable[str]) -> list[str]:
+    """The candidates peft would target (`visionrl.adapter.files.target_regex`)."""
     if not target_modules:
         return []
-    if isinstance(target_modules, str):
-        pattern = re.compile(target_modules)
-        return [n for n in candidates if pattern.fullmatch(n)]
-    return [n for n in candidates if any(n == t or n.endswith("." + t) for t in target_modules)]
+    pattern = re.compile(target_regex(target_modules))
+    return [n for n in candidates if pattern.fullmatch(n)]
 
 
 def _classify_modules(modules: list[str]) -> dict[str, list[str]]:
-    kinds: dict[str, list[str]] = {kind: [] for kind, _ in _MODULE_KINDS} | {"other": []}
+    kinds: dict[str, list[str]] = {kind: [] for kind, _ in _MODULE_KINDS}
+    kinds["other"] = []
     for name in modules:
         kind = next((k for k, pattern in _MODULE_KINDS if pattern.search(name)), "other")
         kinds[kind].append(name)
@@ -117,7 +116,7 @@ def check_servable(
 ) -> dict[str, Any]:
     """Whether vLLM serves this peft adapter as trained, and with which server flags.
 
-    `tensors` maps the adapter's safetensors keys to their dtypes (`visionrl.export.read_safetensors_header`):
+    `tensors` maps the adapter's safetensors keys to their dtypes (`visionrl.adapter.files.read_safetensors_header`):
     with it the targeted modules are read exactly from the weights; without it the target_modules setting is
     matched against representative Qwen3-VL module names. Returns {"ok", "problems", "notes",
     "max_lora_rank" (0 when no vLLM value fits), "tower_connector_lora", "targets" (module kind -> count)}.

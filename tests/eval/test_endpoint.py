@@ -16,9 +16,14 @@ from typing import Any
 import pytest
 from PIL import Image
 
-from visionrl.endpoint_client import chat_messages, image_data_url, openai_base_url, request_answers
 from visionrl.errors import InputError
-from visionrl.evaluate import evaluate_endpoint
+from visionrl.eval.endpoint import (
+    chat_messages,
+    evaluate_endpoint,
+    image_data_url,
+    openai_base_url,
+    request_answers,
+)
 
 COLORS = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255), "white": (255, 255, 255),
           "black": (0, 0, 0)}  # fmt: skip
@@ -79,7 +84,7 @@ class FakeChat(BaseHTTPRequestHandler):
     release = threading.Event()
     lock = threading.Lock()
 
-    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+    def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         with self.lock:
             self.requests.append(body)
@@ -216,7 +221,7 @@ def test_forbidden_tokens_are_sent_as_logit_bias(endpoint: str, tmp_path: Path) 
 
 
 def test_unreachable_endpoint_fails_every_sample_without_raising(tmp_path: Path) -> None:
-    from visionrl.server_process import free_port
+    from visionrl.serve.process import free_port
 
     data = _write_data(tmp_path, ROWS[:2])
     report = evaluate_endpoint(f"http://127.0.0.1:{free_port()}/v1", "a1", str(data), str(tmp_path / "r.json"),

@@ -1,10 +1,11 @@
-"""Greedy answers from an OpenAI-compatible chat endpoint (a served model), for `visionrl eval --endpoint`.
+"""Evaluation of a served model through its OpenAI-compatible chat endpoint (`visionrl eval --endpoint`).
 
 Requests go through the official `openai` client: chat completions with each image inlined as a base64
 PNG `image_url` part, temperature 0, several requests in flight from a thread pool. Every request's
 latency is measured on its own; a request that fails (timeout, connection error, HTTP error, an answer
 that is not a completion) becomes a failed `Generation` with the error, never an exception, so one bad
-sample or a flaky network costs that sample only. Scoring and the report are `visionrl.evaluate`'s.
+sample or a flaky network costs that sample only. Scoring and the report are those of local evaluation
+(`visionrl.eval.scoring`, `visionrl.eval.report`), so both reports have one format.
 """
 
 from __future__ import annotations
@@ -20,7 +21,11 @@ from urllib.parse import urlsplit
 
 from PIL import Image
 
-from visionrl.evaluate import Generation
+from visionrl.errors import InputError
+from visionrl.eval.report import summarize, write_report
+from visionrl.eval.scoring import ablate, score_generations
+from visionrl.rewards import RewardSpec, build_reward_fn
+from visionrl.types import Generation, PromptItem
 
 FORBIDDEN_BIAS = -100  # the most negative logit bias the OpenAI API accepts
 
@@ -125,3 +130,80 @@ def request_answers(
             return list(pool.map(lambda messages: _ask(client, model, messages, options, clock), requests))
     finally:
         client.close()
+
+
+def _forbidden_token_ids(base: str) -> list[int]:
+    from transformers import AutoConfig
+
+    from visionrl.models.loader import check_model_dir, load_processor, vision_token_ids
+
+    check_model_dir(base)
+    return vision_token_ids(AutoConfig.from_pretrained(base), load_processor(base))
+
+
+def evaluate_endpoint(
+    endpoint: str,
+    model: str | None,
+    data: str,
+    out: str,
+    concurrency: int = 8,
+    ablate_images: bool = False,
+    max_samples: int | None = None,
+    max_tokens: int = 32,
+    rewards: list[str] | None = None,
+    timeout_s: float = 60.0,
+    *,
+    seed: int = 0,
+    base: str | None = None,
+    max_retries: int = 2,
+) -> dict[str, Any]:
+    """Evaluate the model or adapter `model` served at `endpoint` (OpenAI base URL) on `data`; write and
+    return the report, in the format of `evaluate_local`.
+
+    The chat messages are the data's, with every image sent as a base64 PNG; answers are greedy. A failed
+    request counts in `num_failed` with its error (see `request_answers`). `base`
+    (optional), the served base model's directory, forbids its vision tokens as local evaluation does.
+    """
+    from visionrl.data.dataset import load_dataset
+    from visionrl.data.prompts import prompt_messages
+
+    if not model:
+        raise InputError("served evaluation needs --model NAME: an adapter or base model name the endpoint "
+                         "lists (GET /v1/models)")  # fmt: skip
+    if concurrency < 1:
+        raise InputError(f"concurrency must be >= 1, got {concurrency}")
+    if not os.path.isfile(data):
+        raise InputError(f"data file '{data}' not found; pass a JSONL or Parquet file of evaluation records")
+    forbidden = _forbidden_token_ids(base) if base else []
+    reward_names = list(rewards or ["exact_match"])
+    reward_fn = build_reward_fn([RewardSpec(name) for name in reward_names])
+    samples = list(load_dataset(data, max_samples=max_samples))
+    # The server applies the chat template; the prompt text stays empty here.
+    prompts = [PromptItem("", list(s.images), s.answer, dict(s.record), s.id) for s in samples]
+    if ablate_images:
+        prompts = ablate(prompts, seed)
+    requests = [chat_messages(prompt_messages(s), p.images) for s, p in zip(samples, prompts, strict=True)]
+    try:
+        started, t0 = time.time(), time.perf_counter()
+        generations = request_answers(
+            endpoint,
+            model,
+            requests,
+            max_tokens=max_tokens,
+            concurrency=concurrency,
+            timeout_s=timeout_s,
+            max_retries=max_retries,
+            forbidden_token_ids=forbidden,
+        )
+        records = score_generations(prompts, generations, reward_fn)
+        duration_s = time.perf_counter() - t0
+    finally:
+        reward_fn.close()
+    extra = {
+        "endpoint": endpoint, "served_model": model, "base": base, "engine": "endpoint", "rewards": reward_names,
+        "max_tokens": max_tokens, "seed": seed, "concurrency": concurrency, "timeout_s": timeout_s,
+    }  # fmt: skip
+    report = summarize(records, model=f"{model} @ {endpoint}", data=data, started=started, duration_s=duration_s,
+                       ablate_images=ablate_images, extra=extra)  # fmt: skip
+    write_report(report, out)
+    return report

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from visionrl.storage import filesystem, is_local, storage_options
+from visionrl.adapter.storage import filesystem, is_local, storage_options
 
 
 @pytest.fixture(autouse=True)

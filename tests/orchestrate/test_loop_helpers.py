@@ -8,7 +8,7 @@ import torch
 from visionrl.config import config_from_dict
 from visionrl.orchestrate.loop import StepClock, _collect, _step_metrics, _train_batch
 from visionrl.rewards import RewardResult
-from visionrl.rollout.types import Completion, PromptItem, SamplingSpec
+from visionrl.types import Completion, PromptItem, SamplingSpec
 
 
 def _groups() -> list[list[Completion]]:
@@ -47,7 +47,7 @@ class _FakeWorkers:
     def __init__(self, pattern: dict[int, tuple[float, float]]) -> None:
         self.pattern = pattern
 
-    def rollout(self, prompts: list[PromptItem], spec) -> list[list[Completion]]:  # noqa: ANN001
+    def rollout(self, prompts: list[PromptItem], spec) -> list[list[Completion]]:
         return [
             [Completion(i, [1, 2], p.text, [-0.1, -0.2], "stop") for _ in range(2)]
             for i, p in enumerate(prompts)
@@ -64,7 +64,7 @@ class _FakeWorkers:
         )
 
 
-def _cfg2(dynamic: bool, rounds: int = 3):  # noqa: ANN202
+def _cfg2(dynamic: bool, rounds: int = 3):
     return config_from_dict(
         {
             "output_dir": "x",

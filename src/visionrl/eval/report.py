@@ -1,21 +1,21 @@
 """The evaluation report: headline numbers over per-sample records, written as JSON with a Markdown twin.
 
 Shared by every way of producing answers (local engines, a served endpoint, the training loop's periodic
-eval), so their reports have one format. `visionrl.evaluate` re-exports these names.
+eval), so their reports have one format. Both files are written atomically: a reader never sees half a
+report, even if we are killed.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from visionrl.errors import InputError
+from visionrl.files import atomic_write
 
 MARKDOWN_SAMPLES = 10  # samples shown in the Markdown twin (all of them are in the JSON)
 
@@ -81,18 +81,6 @@ def summarize(
     return report
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    # Write beside the target and rename: a reader never sees half a report, even if we are killed.
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def _cell(value: Any, width: int = 60) -> str:
     """A Markdown table cell: None as '-', floats to 3 decimals, no pipes or line breaks, cut to `width`."""
     if value is None:
@@ -133,5 +121,5 @@ def write_report(report: dict[str, Any], out: str | Path) -> None:
             f"report path '{path}' ends in .md, which is the Markdown twin's name; use e.g. .json"
         )
     path.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write(path, json.dumps(report, indent=2, ensure_ascii=False, default=str) + "\n")
-    _atomic_write(path.with_suffix(".md"), render_markdown(report))
+    atomic_write(path, json.dumps(report, indent=2, ensure_ascii=False, default=str) + "\n")
+    atomic_write(path.with_suffix(".md"), render_markdown(report))

@@ -11,21 +11,15 @@ from typing import Any
 
 import pytest
 
-from visionrl import export
+from visionrl.adapter import export, manifest
+from visionrl.adapter.export import export_adapter
+from visionrl.adapter.files import MANIFEST_NAME, ExportError, read_safetensors_header
+from visionrl.adapter.manifest import chat_template_sha256, processor_settings, verify_adapter
+from visionrl.adapter.servable import adapter_module_names, check_servable
 from visionrl.checkpoint import save_checkpoint
 from visionrl.config import LM_PROJECTIONS, MERGER_PROJECTIONS, LoraConfig, config_from_dict, dump_config
 from visionrl.errors import InputError
-from visionrl.export import (
-    MANIFEST_NAME,
-    ExportError,
-    chat_template_sha256,
-    export_adapter,
-    processor_settings,
-    read_safetensors_header,
-    verify_adapter,
-)
 from visionrl.models.loader import lora_target_regex
-from visionrl.servable import adapter_module_names, check_servable
 
 PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
@@ -255,8 +249,8 @@ def test_manifest_is_written_after_every_file_is_checked(
     events: list[str] = []
     real_upload, real_check, real_write = (
         export._upload_file,
-        export._check_remote_file,
-        export._write_manifest,
+        manifest.check_remote_file,
+        export.write_manifest,
     )
 
     def upload(fs: Any, local: Path, remote: str) -> None:
@@ -272,11 +266,11 @@ def test_manifest_is_written_after_every_file_is_checked(
         real_write(fs, root, manifest)
 
     monkeypatch.setattr(export, "_upload_file", upload)
-    monkeypatch.setattr(export, "_check_remote_file", check)
-    monkeypatch.setattr(export, "_write_manifest", write)
-    manifest = export_adapter(_make_run(tmp_path, models), str(tmp_path / "out"))
+    monkeypatch.setattr(manifest, "check_remote_file", check)
+    monkeypatch.setattr(export, "write_manifest", write)
+    written = export_adapter(_make_run(tmp_path, models), str(tmp_path / "out"))
     assert events[-1] == "manifest" and events.count("manifest") == 1
-    assert {e for e in events if e.startswith("check")} == {f"check {name}" for name in manifest["files"]}
+    assert {e for e in events if e.startswith("check")} == {f"check {name}" for name in written["files"]}
 
 
 # --------------------------------------------------------------------------------------------------

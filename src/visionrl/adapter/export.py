@@ -1,0 +1,139 @@
+"""Export a trained LoRA adapter with its manifest to a folder or an object-store prefix (`visionrl export`).
+
+Order: the serving check (an adapter vLLM cannot serve as trained is refused before any upload), the PEFT
+files, a read-back check of every upload, and the manifest LAST, so a reader that requires the manifest
+never takes a half-uploaded adapter. All destination I/O goes through fsspec's filesystem API, so the same
+code writes local folders and `s3://bucket/prefix` alike.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import fsspec
+
+from visionrl.adapter.files import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    MANIFEST_NAME,
+    ExportError,
+    has_adapter_files,
+    read_adapter_config,
+    read_json_object,
+)
+from visionrl.adapter.manifest import build_manifest, first_bad_file, join, write_manifest
+from visionrl.adapter.storage import filesystem, is_local
+from visionrl.checkpoint import MANIFEST as CHECKPOINT_MANIFEST
+from visionrl.checkpoint import latest_checkpoint, verify_checkpoint
+from visionrl.run_layout import ADAPTER_DIR, CHECKPOINTS_DIR, RUN_CONFIG, RunDir
+
+
+def _resolve_source(src: Path) -> tuple[Path, Path | None]:
+    """(adapter dir, run dir or None) of a run dir, a checkpoint dir or an adapter dir."""
+    if not src.is_dir():
+        raise ExportError(
+            f"export source {src} is not a directory; pass a run directory, a checkpoint or an adapter"
+        )
+    if has_adapter_files(src):
+        if (src.parent / CHECKPOINT_MANIFEST).is_file():  # <run>/checkpoints/step_N/adapter
+            verify_checkpoint(src.parent)
+            return src, src.parent.parent.parent
+        return src, src.parent if src.name == ADAPTER_DIR else None
+    if (src / CHECKPOINT_MANIFEST).is_file():  # <run>/checkpoints/step_N
+        verify_checkpoint(src)
+        return src / ADAPTER_DIR, src.parent.parent
+    if has_adapter_files(src / ADAPTER_DIR):  # a finished run
+        return src / ADAPTER_DIR, src
+    newest = latest_checkpoint(src)
+    if newest is not None:  # a run without a final adapter (stopped early)
+        return newest / ADAPTER_DIR, src
+    raise ExportError(
+        f"no adapter in {src}: expected a run directory (with {ADAPTER_DIR}/ or {CHECKPOINTS_DIR}/step_N/), a "
+        f"checkpoint directory, or a PEFT adapter directory ({ADAPTER_CONFIG} + {ADAPTER_WEIGHTS}); "
+        "train first, or pass the directory that holds the adapter"
+    )
+
+
+def _eval_summary(results: dict[str, Any]) -> dict[str, Any]:
+    # Per-sample records can be large; they stay in the run's eval/*.json, the manifest keeps the numbers.
+    return {k: v for k, v in results.items() if not isinstance(v, list)}
+
+
+def _run_context(
+    adapter_dir: Path, run_dir: Path | None
+) -> tuple[str, dict[str, Any] | None, dict[str, Any] | None]:
+    """(base model, job config dict, eval results of the run) for an adapter."""
+    from visionrl.config import load_config
+
+    run = RunDir(run_dir) if run_dir is not None else None
+    job_config = None
+    if run is not None and run.config.is_file():
+        job_config = load_config(run.config).model_dump(mode="json")
+    eval_results = None
+    if run is not None and run.final_eval.is_file():
+        eval_results = read_json_object(run.final_eval, "eval results")
+    base_model = (job_config or {}).get("model", {}).get("path")
+    if not base_model:
+        base_model = read_adapter_config(adapter_dir).get("base_model_name_or_path")
+    if not base_model:
+        raise ExportError(
+            f"cannot tell the base model of {adapter_dir}: no run {RUN_CONFIG} next to it and no "
+            f"base_model_name_or_path in its {ADAPTER_CONFIG}; export from the run directory"
+        )
+    return str(base_model), job_config, eval_results
+
+
+def _upload_file(fs: fsspec.AbstractFileSystem, local: Path, remote: str) -> None:
+    fs.put_file(str(local), remote)  # streams; adapters of large models are hundreds of MB
+
+
+def export_adapter(
+    src: str | os.PathLike[str],
+    dest: str | os.PathLike[str],
+    *,
+    eval_results: dict[str, Any] | None = None,
+    allow_unservable: bool = False,
+) -> dict[str, Any]:
+    """Export the adapter of `src` (a run dir, a checkpoint dir or an adapter dir) to `dest` (a folder or URL).
+
+    Order: serving check (fails before any upload unless `allow_unservable`), upload of the PEFT files,
+    read-back check of every upload, and the manifest LAST. Returns the manifest.
+    """
+    adapter_dir, run_dir = _resolve_source(Path(src))
+    base_model, job_config, run_eval = _run_context(adapter_dir, run_dir)
+    results = eval_results if eval_results is not None else run_eval
+    manifest = build_manifest(
+        adapter_dir,
+        base_model=base_model,
+        job_config=job_config,
+        eval_results=_eval_summary(results) if results is not None else None,
+    )
+    serving = manifest["serving"]
+    if not serving["ok"] and not allow_unservable:
+        raise ExportError(
+            f"vLLM cannot serve the adapter in {adapter_dir} as trained:\n  - "
+            + "\n  - ".join(serving["problems"])
+            + "\nchange that and retrain, or export anyway with allow_unservable=True"
+        )
+
+    fs, root = filesystem(dest)
+    fs.makedirs(root, exist_ok=True)
+    manifest_path = join(root, MANIFEST_NAME)
+    if fs.exists(manifest_path):
+        # Re-export over an old one: drop the old manifest first, so nobody reads new files under it.
+        fs.rm(manifest_path)
+    # Exporting a run's adapter/ in place (to add the manifest) needs no copy.
+    if not (is_local(fs) and Path(root).resolve() == adapter_dir.resolve()):
+        for name in manifest["files"]:
+            _upload_file(fs, adapter_dir / name, join(root, name))
+    # Read every upload back before the manifest makes the export visible to readers.
+    bad = first_bad_file(fs, root, manifest["files"])
+    if bad is not None:
+        raise ExportError(
+            f"uploaded file {bad[0]} in {dest} does not verify ({bad[1]}): the upload failed or the source "
+            "changed during the export; re-run the export"
+        )
+    write_manifest(fs, root, manifest)
+    return manifest

@@ -1,0 +1,243 @@
+"""Local evaluation of a base model + LoRA adapter on the user's own visual benchmark (`visionrl eval`).
+
+Evaluation is greedy decoding scored by the same rewards as training (`visionrl.eval.scoring`), written as
+the shared report (`visionrl.eval.report`):
+
+- `evaluate_prompts(engine, prompts, reward_fn, ...)`: greedy answers from any object with
+  `.generate(prompts, spec)` (the vLLM or HF rollout engine; the training loop uses it for periodic eval);
+- `evaluate_local(...)`: the whole local run (data, processor, engine from the one engine factory,
+  adapter, report).
+
+A served model is evaluated by `visionrl.eval.endpoint` into the same report.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+from visionrl.adapter.files import (
+    ADAPTER_CONFIG,
+    ADAPTER_FILES,
+    MANIFEST_NAME,
+    check_weights_open,
+    has_adapter_files,
+    read_json_object,
+    require_plain_lora,
+    target_regex,
+    targets_vision,
+)
+from visionrl.adapter.manifest import verify_adapter
+from visionrl.config import LoraConfig, RolloutConfig
+from visionrl.errors import InputError
+from visionrl.eval.report import summarize, write_report
+from visionrl.eval.scoring import ablate, score_generations
+from visionrl.rewards import CombinedReward, RewardSpec, build_reward_fn
+from visionrl.rollout.factory import ENGINES, make_engine
+from visionrl.rollout.vllm_platform import cpu_only
+from visionrl.run_layout import ADAPTER_DIR
+from visionrl.types import AdapterPayload, Completion, Generation, PromptItem, RolloutEngine, SamplingSpec
+
+logger = logging.getLogger(__name__)
+
+# What a rollout engine raises for a prompt it cannot serve (too long, an image it rejects, an internal
+# engine error after its own retry). Such a prompt becomes a failed record; other exceptions are bugs.
+GENERATION_ERRORS: tuple[type[Exception], ...] = (RuntimeError, ValueError)
+
+
+class GenerateEngine(Protocol):
+    """The one method evaluation needs from an engine (both rollout engines have it)."""
+
+    def generate(self, prompts: list[PromptItem], spec: SamplingSpec) -> list[list[Completion]]: ...
+
+
+def _from_completion(completion: Completion, latency_ms: float) -> Generation:
+    return Generation(completion.text, len(completion.token_ids), latency_ms, completion.finish_reason)
+
+
+def _generate_batch(
+    engine: GenerateEngine, batch: list[PromptItem], spec: SamplingSpec, clock: Callable[[], float]
+) -> list[Generation]:
+    """Greedy answers of one batch; if the batch fails, each prompt is retried alone to isolate the bad one."""
+    start = clock()
+    try:
+        outputs = engine.generate(batch, spec)
+    except GENERATION_ERRORS as err:
+        logger.warning(
+            "generation of a batch of %d failed (%s); retrying its prompts one by one", len(batch), err
+        )
+    else:
+        per_sample_ms = (clock() - start) * 1000.0 / len(batch)
+        return [_from_completion(out[0], per_sample_ms) for out in outputs]
+    generations = []
+    for prompt in batch:
+        start = clock()
+        try:
+            out = engine.generate([prompt], spec)[0][0]
+        except GENERATION_ERRORS as err:
+            generations.append(
+                Generation(None, 0, (clock() - start) * 1000.0, None, f"{type(err).__name__}: {err}")
+            )
+        else:
+            generations.append(_from_completion(out, (clock() - start) * 1000.0))
+    return generations
+
+
+def evaluate_prompts(
+    engine: GenerateEngine,
+    prompts: list[PromptItem],
+    reward_fn: CombinedReward,
+    *,
+    max_tokens: int,
+    batch_size: int = 64,
+    clock: Callable[[], float] = time.perf_counter,
+) -> list[dict[str, Any]]:
+    """Greedy-decode every prompt with `engine` in batches and score the answers (see `score_generations`).
+
+    A prompt the engine cannot serve (it raises one of GENERATION_ERRORS) becomes a failed record with the
+    error message; the others are still evaluated. `latency_ms` of a sample is its batch's wall time
+    (measured with `clock`, in seconds) divided by the batch size.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    spec = SamplingSpec(n=1, greedy=True, max_tokens=max_tokens)
+    generations: list[Generation] = []
+    for start in range(0, len(prompts), batch_size):
+        generations.extend(_generate_batch(engine, prompts[start : start + batch_size], spec, clock))
+    return score_generations(prompts, generations, reward_fn)
+
+
+def _resolve_adapter(adapter: str | Path) -> Path:
+    """The adapter directory: `adapter` itself, or its `adapter/` subfolder (a run directory), checked:
+    checksums when it has a manifest (an export or a run's final adapter), weights safetensors can open."""
+    path = Path(adapter)
+    if not path.is_dir():
+        raise InputError(
+            f"adapter '{path}' is not a directory; pass the adapter folder of a run (RUN_DIR/adapter), "
+            "or omit --adapter to evaluate the base model"
+        )
+    for candidate in (path, path / ADAPTER_DIR):
+        if has_adapter_files(candidate):
+            if (candidate / MANIFEST_NAME).is_file():
+                verify_adapter(str(candidate))
+            check_weights_open(candidate)
+            return candidate
+    raise InputError(
+        f"adapter '{path}' lacks {' and '.join(ADAPTER_FILES)}; pass a PEFT adapter folder "
+        "(saved with safetensors), e.g. RUN_DIR/adapter"
+    )
+
+
+def _read_adapter_config(adapter_dir: Path) -> dict[str, Any]:
+    cfg_path = adapter_dir / ADAPTER_CONFIG
+    cfg = read_json_object(cfg_path, "adapter config")
+    require_plain_lora(cfg, cfg_path)  # both engines rebuild the LoRA layout from r, lora_alpha and targets
+    return cfg
+
+
+def _engine_lora(engine: str, adapter_cfg: dict[str, Any] | None) -> LoraConfig:
+    """The LoRA layout of the evaluation engine. Without an adapter the default LoRA has B = 0 (the model
+    equals the base model). vLLM reads targets from the adapter and needs the rank and the merger flag; the
+    HF engine builds its layout from the targets' regex, which already names the merger if trained."""
+    if adapter_cfg is None:
+        return LoraConfig()
+    regex = target_regex(adapter_cfg["target_modules"])
+    return LoraConfig(
+        rank=adapter_cfg["r"],
+        alpha=float(adapter_cfg["lora_alpha"]),
+        target_modules=regex,
+        train_merger=engine == "vllm" and targets_vision(regex),
+    )
+
+
+def _build_engine(
+    engine: str,
+    base: str,
+    adapter_cfg: dict[str, Any] | None,
+    forbidden: list[int],
+    max_images: int,
+    seed: int,
+) -> RolloutEngine:
+    """The rollout engine for local evaluation, from the engine factory training uses."""
+    return make_engine(
+        base,
+        lora=_engine_lora(engine, adapter_cfg),
+        rollout=RolloutConfig.model_validate({"engine": engine}),
+        forbidden_token_ids=forbidden,
+        dtype="float32" if cpu_only() else "bfloat16",  # bf16 is 4-20x slower on CPUs (docs/ENGINE_NOTES.md)
+        seed=seed,
+        max_images_per_prompt=max(1, max_images),
+    )
+
+
+def evaluate_local(
+    base: str,
+    adapter: str | None,
+    data: str,
+    out: str,
+    engine: str = "vllm",
+    ablate_images: bool = False,
+    max_samples: int | None = None,
+    max_tokens: int = 32,
+    rewards: list[str] | None = None,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Evaluate `base` (+ `adapter`) on `data` with a local engine ("vllm" or "hf"); write and return the report.
+
+    `rewards` are reward names (default ["exact_match"]), each of weight 1. Bad inputs (missing data file or
+    adapter, unknown reward or engine, a base directory that is not a Qwen3-VL checkpoint) raise InputError
+    before any model is loaded.
+    """
+    from transformers import AutoConfig
+
+    from visionrl.data.dataset import load_dataset
+    from visionrl.data.prompts import build_prompt
+    from visionrl.models.loader import check_model_dir, load_processor, vision_token_ids
+
+    if engine not in ENGINES:
+        raise InputError(f"unknown engine {engine!r}; use one of {', '.join(ENGINES)}")
+    if not os.path.isfile(data):
+        raise InputError(f"data file '{data}' not found; pass a JSONL or Parquet file of evaluation records")
+    check_model_dir(base)
+    adapter_dir = _resolve_adapter(adapter) if adapter else None
+    adapter_cfg = _read_adapter_config(adapter_dir) if adapter_dir else None
+    reward_names = list(rewards or ["exact_match"])
+    reward_fn = build_reward_fn([RewardSpec(name) for name in reward_names])
+
+    processor = load_processor(base)
+    prompts = [build_prompt(sample, processor) for sample in load_dataset(data, max_samples=max_samples)]
+    if ablate_images:
+        prompts = ablate(prompts, seed)
+    forbidden = vision_token_ids(AutoConfig.from_pretrained(base), processor)
+    max_images = max(len(p.images) for p in prompts)
+    runner = _build_engine(engine, base, adapter_cfg, forbidden, max_images, seed)
+    try:
+        if adapter_dir is not None:
+            files = {name: (adapter_dir / name).read_bytes() for name in ADAPTER_FILES}
+            runner.load_adapter(AdapterPayload(version=1, files=files))
+        started, t0 = time.time(), time.perf_counter()
+        records = evaluate_prompts(runner, prompts, reward_fn, max_tokens=max_tokens)
+        duration_s = time.perf_counter() - t0
+    finally:
+        runner.close()
+        reward_fn.close()
+    model = base if adapter_dir is None else f"{base} + {adapter_dir}"
+    extra = {
+        "base": base, "adapter": None if adapter_dir is None else str(adapter_dir), "engine": engine,
+        "rewards": reward_names, "max_tokens": max_tokens, "seed": seed,
+    }  # fmt: skip
+    report = summarize(
+        records,
+        model=model,
+        data=data,
+        started=started,
+        duration_s=duration_s,
+        ablate_images=ablate_images,
+        extra=extra,
+    )
+    write_report(report, out)
+    return report

@@ -1,0 +1,64 @@
+"""File helpers shared by checkpoints, adapters, fetched copies and reports: sha256 and atomic writes.
+
+One sha256 reader streams in chunks (checkpoints hold GB-sized optimizer states, adapters of large models
+are hundreds of MB) and can copy while it hashes; one atomic write puts bytes beside the target and renames
+them over it, so a reader never sees half a file, even if the writer is killed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+from typing import BinaryIO
+
+CHUNK = 1 << 20
+
+
+def sha256_bytes(data: bytes) -> str:
+    """Hex sha256 of `data`."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_stream(source: BinaryIO, copy_to: BinaryIO | None = None) -> tuple[str, int]:
+    """(hex sha256, size in bytes) of everything left in `source`, read in chunks; each chunk is also
+    written to `copy_to` when given (a download verified on the way)."""
+    digest, size = hashlib.sha256(), 0
+    for chunk in iter(lambda: source.read(CHUNK), b""):
+        digest.update(chunk)
+        size += len(chunk)
+        if copy_to is not None:
+            copy_to.write(chunk)
+    return digest.hexdigest(), size
+
+
+def sha256_file(path: str | os.PathLike[str]) -> str:
+    """Hex sha256 of a file."""
+    with Path(path).open("rb") as f:
+        return sha256_stream(f)[0]
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """Make a rename or a new entry in `path` durable (POSIX: only once its directory is synced)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str | os.PathLike[str], data: bytes | str) -> None:
+    """Write `data` (str as UTF-8) to `path` atomically: to a temporary file beside it, fsynced, then renamed."""
+    target = Path(path)
+    payload = data.encode("utf-8") if isinstance(data, str) else data
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)

@@ -1,0 +1,53 @@
+"""The one engine factory: training (each rollout actor) and local evaluation build their engine here.
+
+Heavy imports (vLLM, transformers) happen inside, so importing this module costs nothing.
+"""
+
+from __future__ import annotations
+
+from visionrl.config import LoraConfig, RolloutConfig
+from visionrl.types import RolloutEngine
+
+ENGINES = ("vllm", "hf")
+
+
+def make_engine(
+    model_path: str,
+    *,
+    lora: LoraConfig,
+    rollout: RolloutConfig,
+    forbidden_token_ids: list[int],
+    dtype: str,
+    seed: int,
+    max_images_per_prompt: int = 4,
+) -> RolloutEngine:
+    """The rollout engine `rollout.engine` ("vllm" or "hf") for `model_path` with a LoRA layout from `lora`.
+
+    vLLM reads the adapter's targets from the adapter files themselves; it needs the rank to size its LoRA
+    slots and `lora.train_merger` to apply LoRA on the vision merger. The HF engine builds the peft layout
+    from `lora`, so the adapters it loads must match it.
+    """
+    if rollout.engine == "vllm":
+        from visionrl.rollout.vllm_engine import VLLMEngine
+
+        return VLLMEngine(
+            model_path,
+            lora_rank=lora.rank,
+            tower_lora=lora.train_merger,
+            forbidden_token_ids=forbidden_token_ids,
+            dtype=dtype,
+            max_model_len=rollout.max_model_len,
+            gpu_memory_utilization=rollout.gpu_memory_utilization,
+            enforce_eager=rollout.enforce_eager,
+            kv_cache_gib=rollout.kv_cache_gib,
+            seed=seed,
+            max_images_per_prompt=max_images_per_prompt,
+            sleep_mode=rollout.sleep_during_update,
+        )
+    if rollout.engine == "hf":
+        from visionrl.rollout.hf_engine import HFEngine
+
+        return HFEngine(
+            model_path, lora=lora, forbidden_token_ids=forbidden_token_ids, dtype=dtype, seed=seed
+        )
+    raise ValueError(f"unknown rollout engine {rollout.engine!r}; use one of {', '.join(ENGINES)}")
