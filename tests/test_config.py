@@ -86,7 +86,6 @@ def test_production_job_file_describes_the_8b_job() -> None:
     assert (cfg.rollout.max_new_tokens, cfg.rollout.temperature) == (512, 1.0)
     assert (cfg.algorithm.clip_low, cfg.algorithm.clip_high) == (0.2, 0.28)
     assert cfg.algorithm.kl_coef <= 0.01
-    assert cfg.train.micro_batch_tokens == 16384
     assert {r.name for r in cfg.rewards} <= {"exact_match", "numeric", "format"}
     assert not Path(cfg.data.train).is_absolute()
 
