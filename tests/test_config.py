@@ -77,7 +77,9 @@ def test_production_job_file_describes_the_8b_job() -> None:
     # the learner setting measured fastest within the colocated memory budget on an H200
     # (benchmarks/results/gpu_learner.json, gpu_grpo_step.json): no recompute, 4096-token micro-batches
     assert cfg.model.dtype == "bfloat16" and not cfg.model.gradient_checkpointing
-    assert cfg.train.micro_batch_tokens == 4096 and cfg.train.logit_chunk_tokens > 0 and cfg.train.share_images
+    assert (
+        cfg.train.micro_batch_tokens == 4096 and cfg.train.logit_chunk_tokens > 0 and cfg.train.share_images
+    )
     assert (cfg.lora.rank, cfg.lora.alpha) == (64, 128)
     assert cfg.lora.target_modules == LM_PROJECTIONS and cfg.lora.train_merger
     assert cfg.rollout.engine == "vllm" and cfg.rollout.gpus_per_engine > 0 and cfg.ray.learner_gpus > 0

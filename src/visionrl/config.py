@@ -160,6 +160,16 @@ class RolloutConfig(_Section):
     kv_cache_gib: float = Field(
         1.0, gt=0.0, description="vLLM CPU: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE)."
     )
+    max_logprob_diff: float = Field(
+        0.2,
+        gt=0.0,
+        description="Largest mean |engine - learner| log-prob per token (the same tokens under the same adapter "
+        "version, before the update) before a warning; max_logprob_diff_steps such steps in a row stop the run: "
+        "the engine is not sampling the policy being trained. Measured: 0.04 in bf16 on an H200, 1e-6 in float32.",
+    )
+    max_logprob_diff_steps: int = Field(
+        3, ge=1, description="Consecutive steps over max_logprob_diff that stop the run with an error."
+    )
     sleep_during_update: bool = Field(
         False,
         description="vLLM on GPUs: put the engines to sleep (KV cache freed, weights to CPU memory) while the "

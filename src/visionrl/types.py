@@ -98,6 +98,11 @@ class RolloutEngine(Protocol):
         """The adapter version this engine serves (0 = base model)."""
         ...
 
+    def probe(self, payload: AdapterPayload, prompts: list[PromptItem]) -> float:
+        """Largest greedy log-prob change `payload` makes against the version served (inf: a token changed;
+        0: the adapter does not reach the model). The served version stays as it was."""
+        ...
+
     def sleep(self) -> None:
         """Release what the engine can while the learner updates (a no-op where nothing can be released)."""
         ...

@@ -251,3 +251,17 @@ def test_old_logprobs_only_for_minibatches_after_the_first(tiny_model: Path, col
     assert seen == [[2, 3, 4, 5]]
     assert clip[0] == 0.0
     assert metrics["learner/tokens"] == sum(len(s.completion_ids) for s in batch.sequences)
+
+
+def test_engine_mismatch_is_measured_before_the_update(tiny_model: Path, color_data: Path) -> None:
+    """With sampling log-probs equal to the learner's own, the reported mismatch is 0 even with three updates per
+    batch at a large learning rate: later mini-batches are compared through the old log-probs (taken before
+    any update), not their post-update training forward."""
+    cfg = _cfg(tiny_model, color_data, algorithm={"updates_per_batch": 3}, train={"lr": 5e-2})
+    learner = Learner(cfg, device="cpu")
+    batch = _batch(learner, color_data)
+    for seq, lps in zip(batch.sequences, learner.logprobs(batch), strict=True):
+        seq.sampling_logprobs = lps
+    assert learner.train_step(batch)["rollout/logprob_diff"] < 1e-6
+    # and the update did move the policy: the same measure now shows the drift
+    assert learner.train_step(batch)["rollout/logprob_diff"] > 1e-3

@@ -131,6 +131,10 @@ class RolloutActor:
         with _memory_guard("rollout engine", "the adapter sync", self.cfg):
             return self.engine.load_adapter(payload)
 
+    def probe(self, payload: AdapterPayload, prompts: list[PromptItem]) -> float:
+        with _memory_guard("rollout engine", "the adapter probe", self.cfg):
+            return self.engine.probe(payload, prompts)
+
     def sleep(self) -> None:
         self.engine.sleep()
 

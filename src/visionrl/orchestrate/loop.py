@@ -82,6 +82,10 @@ def _train(cfg: JobConfig, run: RunDir, resume: bool, prompts_in: PromptStream) 
     G, spec, clock = cfg.algorithm.group_size, _sampling_spec(cfg), StepClock()
     with MetricsWriter(run.tensorboard) as tb:
         workers = Workers(*start_actors(cfg), cfg)
+        workers.verify_delivery(
+            prompts_in.probe_prompts()
+        )  # a non-zero adapter must change the engines' output
+        watch = MismatchWatch(cfg.rollout.max_logprob_diff, cfg.rollout.max_logprob_diff_steps)
         start = workers.resume(run.root, prompts_in) if resume else 0
         _trim_history(run.history, start)  # steps after the checkpoint will be run again
         progress, acc, above = Progress(cfg.train.steps, start_step=start), None, 0
@@ -97,6 +101,7 @@ def _train(cfg: JobConfig, run: RunDir, resume: bool, prompts_in: PromptStream) 
             batch = _train_batch(prompts, completions, adv, got.keep, G)
             with clock("update"):  # 5. learner update
                 stats = workers.update(batch) if batch.sequences else {}
+            watch.check(step, stats.get(tags.LOGPROB_DIFF))  # the engine sampled the policy being trained
             with clock("sync"):  # 6. sync: the new adapter version to every engine (if there was an update)
                 if stats:
                     workers.sync_adapter()
@@ -133,6 +138,34 @@ def _trim_history(path: Path, last_step: int) -> None:
     if path.exists():
         keep = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= last_step]
         path.write_text("".join(line + "\n" for line in keep))
+
+
+class MismatchWatch:
+    """Stops a run whose engines do not sample the policy being trained: the mean |engine - learner| log-prob
+    of the same tokens under the same adapter version over `limit` for `steps` steps in a row."""
+
+    def __init__(self, limit: float, steps: int) -> None:
+        self.limit, self.steps, self.over = limit, steps, 0
+
+    def check(self, step: int, diff: float | None) -> None:
+        if diff is None:
+            return
+        self.over = self.over + 1 if diff > self.limit else 0
+        if self.over == 0:
+            return
+        what = (
+            f"step {step}: the engine's sampling log-probs differ from the learner's by {diff:.3g} per token "
+            f"(mean |difference|, same tokens and adapter version), over rollout.max_logprob_diff={self.limit}"
+        )
+        if self.over < self.steps:
+            logger.warning("%s (%d of %d steps in a row allowed)", what, self.over, self.steps)
+            return
+        raise RunError(
+            f"{what} for {self.over} steps in a row: the engines are not sampling the policy being trained, so "
+            "the updates are off-policy by an unknown amount. Likely causes: adapter syncs that do not reach the "
+            "engine (look for LoRA warnings in the engine log), an engine dtype or kernel far from the learner's, "
+            "or sampling settings that differ (temperature). If the gap is expected, raise rollout.max_logprob_diff"
+        )
 
 
 class StepClock:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from visionrl import metrics as tags
 from visionrl.config import JobConfig
 from visionrl.data import PromptSampler, load_dataset
 from visionrl.data.prompts import build_prompt
+from visionrl.errors import RunError
 from visionrl.metrics import RolloutSample
 from visionrl.models.loader import load_processor
 from visionrl.rewards import CombinedReward, RewardResult, build_reward_fn
@@ -52,12 +54,24 @@ class PromptStream:
     def _prompt(self, sample: Any) -> PromptItem:
         return build_prompt(sample, self.processor, self.cfg.data.system_prompt)
 
+    def probe_prompts(self, n: int = 4) -> list[PromptItem]:
+        """A few training prompts for the start-up adapter probe; the sampler's position is not touched."""
+        return [self._prompt(self.train[i]) for i in range(min(n, len(self.train)))]
+
     def eval_prompts(self) -> list[PromptItem]:
         if self._eval_data is None:
             return []
         if self._eval is None:
             self._eval = [self._prompt(s) for s in self._eval_data]
         return self._eval
+
+
+PROBE_MIN_CHANGE = 1e-4  # a non-zero adapter moves a greedy log-prob by far more; 0 means it was not applied
+ENGINE_SEED_STRIDE = 1_000_003  # engines draw from disjoint seed streams: no two samples share noise
+
+
+def _engine_spec(spec: SamplingSpec, engine: int) -> SamplingSpec:
+    return spec if spec.seed is None else replace(spec, seed=spec.seed + ENGINE_SEED_STRIDE * engine)
 
 
 def _split(items: list, parts: int) -> list[list]:
@@ -88,8 +102,34 @@ class Workers:
     # 2. rollout
     def rollout(self, prompts: list[PromptItem], spec: SamplingSpec) -> list[list[Completion]]:
         chunks = _split(prompts, len(self.engines))
-        refs = [e.generate.remote(c, spec) for e, c in zip(self.engines, chunks, strict=True) if c]
+        refs = [
+            e.generate.remote(c, _engine_spec(spec, i))
+            for i, (e, c) in enumerate(zip(self.engines, chunks, strict=True))
+            if c
+        ]
         return [group for part in ray.get(refs) for group in part]
+
+    # at start: the adapter reaches the engines
+    def verify_delivery(self, prompts: list[PromptItem]) -> list[float]:
+        """Every engine must change its output when given a non-zero adapter of this run's layout, else the run
+        would train an adapter that rollouts never use. Returns each engine's largest log-prob change."""
+        probe = self.learner.call.remote("probe_payload")
+        changes = ray.get([e.probe.remote(probe, prompts) for e in self.engines])
+        dead = [i for i, c in enumerate(changes) if c < PROBE_MIN_CHANGE]
+        if dead:
+            raise RunError(
+                f"rollout engine(s) {dead} ignore the LoRA adapter: a random non-zero adapter of this run's layout "
+                f"changed their greedy log-probs by at most {max(changes[i] for i in dead):.2g}. Rollouts would "
+                "never sample from the policy being trained. Likely causes: LoRA targets the engine does not wrap "
+                "(vLLM skips LoRA on the vision blocks; lora.target_modules), LoRA on the merger without "
+                "vLLM's tower-connector LoRA (lora.train_merger must be set for the engine to enable it), or "
+                "lora.rank above the engine's max_lora_rank"
+            )
+        # Serve the learner's own version as a real adapter right away: once vLLM has held a LoRA, requests
+        # without one can still get its weights (docs/ENGINE_NOTES.md), so "no adapter" is never served again.
+        self.sync_adapter()
+        logger.info("adapter delivery verified: largest greedy log-prob change per engine %s", changes)
+        return changes
 
     # 3. reward
     def score(self, prompts: list[PromptItem], completions: list[list[Completion]]) -> RewardResult:

@@ -11,9 +11,11 @@ from typing import Any
 
 import torch
 
+from visionrl import faults
 from visionrl.config import LoraConfig
 from visionrl.gpu_memory import device_memory
 from visionrl.models.loader import apply_lora, load_base_model, load_processor
+from visionrl.rollout.probe import largest_first_token_change
 from visionrl.types import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
@@ -62,30 +64,56 @@ class HFEngine:
             if hasattr(module, "base_layer") and hasattr(module, "lora_A")
         }
         self.model.merge_adapter()
+        self._served: AdapterPayload | None = None  # the payload merged now (None: base model, B = 0)
 
     def adapter_version(self) -> int:
         return self._version
 
     def load_adapter(self, payload: AdapterPayload) -> int:
+        if payload.version > 1 and faults.active("drop_adapter_syncs"):
+            self._version = payload.version  # acknowledged, not loaded: what the per-step check must catch
+            return self._version
+        self._apply(payload)
+        self._served = payload
+        self._version = payload.version
+        return self._version
+
+    def probe(self, payload: AdapterPayload, prompts: list[PromptItem]) -> float:
+        """Largest change of a greedy token's log-prob that `payload` makes on `prompts` against the version
+        served now (0: the adapter does not reach the model); the served version stays as it was."""
+        spec = SamplingSpec(n=1, greedy=True, max_tokens=4)
+        before = self.generate(prompts, spec)
+        self._apply(payload)
+        try:
+            after = self.generate(prompts, spec)
+        finally:
+            self._apply(self._served)
+        return largest_first_token_change(before, after)
+
+    def _apply(self, payload: AdapterPayload | None) -> None:
+        """Merge `payload`'s LoRA weights into exactly-restored base weights (None: the base model)."""
         from peft import set_peft_model_state_dict
         from safetensors.torch import load as load_safetensors
 
-        weights = load_safetensors(payload.files[ADAPTER_WEIGHTS])
         self.model.unmerge_adapter()
         modules = dict(self.model.named_modules())
         with torch.no_grad():
             for name, weight in self._pristine.items():
                 modules[name].base_layer.weight.copy_(weight)
-        result = set_peft_model_state_dict(self.model, weights)
-        if getattr(result, "unexpected_keys", None):
-            cfg = json.loads(payload.files[ADAPTER_CONFIG])
-            raise ValueError(
-                f"adapter v{payload.version} does not fit this engine's LoRA layout "
-                f"(unexpected {result.unexpected_keys[:3]}...; adapter targets {cfg.get('target_modules')})"
-            )
+        if payload is None or faults.active("ignore_adapters"):
+            with torch.no_grad():  # zero B: the LoRA layers add nothing
+                for n, p in self.model.named_parameters():
+                    if "lora_B" in n:
+                        p.zero_()
+        else:
+            result = set_peft_model_state_dict(self.model, load_safetensors(payload.files[ADAPTER_WEIGHTS]))
+            if getattr(result, "unexpected_keys", None):
+                cfg = json.loads(payload.files[ADAPTER_CONFIG])
+                raise ValueError(
+                    f"adapter v{payload.version} does not fit this engine's LoRA layout "
+                    f"(unexpected {result.unexpected_keys[:3]}...; adapter targets {cfg.get('target_modules')})"
+                )
         self.model.merge_adapter()
-        self._version = payload.version
-        return self._version
 
     @torch.no_grad()
     def generate(self, prompts: list[PromptItem], spec: SamplingSpec) -> list[list[Completion]]:

@@ -18,7 +18,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from visionrl import faults
 from visionrl.gpu_memory import device_memory
+from visionrl.rollout.probe import largest_first_token_change
 from visionrl.rollout.vllm_platform import cpu_only, set_cpu_env, vllm_max_lora_rank
 from visionrl.types import AdapterPayload, Completion, PromptItem, SamplingSpec
 
@@ -86,6 +88,7 @@ class VLLMEngine:
         shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
         self._dir = Path(tempfile.mkdtemp(prefix="visionrl-vllm-adapters-", dir=shm))
         self._version = 0
+        self._next_id = 0  # LoRA ids handed out so far: each adapter version and probe gets a new one
         self._lora: Any = None  # LoRARequest of the version served
         self._llm = self._build()
 
@@ -102,27 +105,64 @@ class VLLMEngine:
         return self._version
 
     def load_adapter(self, payload: AdapterPayload) -> int:
-        from vllm.lora.request import LoRARequest
-
         self.wake_up()
         if self._lora is not None and payload.version == self._version:
             return self._version  # already served (a LoRA id must never be reused for other weights)
-        path = self._dir / f"v{payload.version}"
-        path.mkdir(parents=True, exist_ok=True)
-        for name, data in payload.files.items():
-            (path / name).write_bytes(data)
-        # A new id and name for every version (docs/ENGINE_NOTES.md); ids must be >= 1.
-        new = LoRARequest(f"visionrl-v{payload.version}", payload.version + 1, str(path))
-        engine = self._llm.llm_engine
-        engine.add_lora(new)
+        if payload.version > 1 and faults.active("drop_adapter_syncs"):
+            self._version = payload.version  # acknowledged, not loaded: what the per-step check must catch
+            return self._version
+        new = self._add(payload, f"visionrl-v{payload.version}")
         old = self._lora
         self._lora, self._version = new, payload.version
         if old is not None:
-            engine.remove_lora(old.lora_int_id)
-            shutil.rmtree(old.lora_path, ignore_errors=True)
-        engine.reset_encoder_cache()
-        self._llm.reset_prefix_cache()
+            self._remove(old)
+        self._reset_caches()
         return self._version
+
+    def probe(self, payload: AdapterPayload, prompts: list[PromptItem]) -> float:
+        """Largest change of a greedy token's log-prob that adapter `payload` makes on `prompts` against the
+        version served now; 0 means the engine ignores the adapter. Load an adapter afterwards: once a LoRA was
+        held, requests without one can still see its weights (vLLM 0.32 CPU, tower-connector LoRA)."""
+        spec = SamplingSpec(n=1, greedy=True, max_tokens=4)
+        before = self.generate(prompts, spec)
+        req = self._add(payload, "visionrl-probe")
+        try:
+            after = self._generate(prompts, spec, req)
+        finally:
+            self._remove(req)
+            self._reset_caches()
+        return largest_first_token_change(before, after)
+
+    def _add(self, payload: AdapterPayload, name: str) -> Any:
+        """Write the adapter's files and add it under a LoRA id never used before (FACTS: a reused id or name
+        serves stale image embeddings); raises if vLLM does not list it afterwards."""
+        from vllm.lora.request import LoRARequest
+
+        self._next_id += 1
+        path = self._dir / f"{name}-{self._next_id}"
+        path.mkdir(parents=True, exist_ok=True)
+        for file, data in payload.files.items():
+            (path / file).write_bytes(data)
+        req = LoRARequest(f"{name}-{self._next_id}", self._next_id, str(path))
+        engine = self._llm.llm_engine
+        if faults.active("ignore_adapters"):
+            return None  # generate() then runs the base model: the adapter never reaches the engine
+        if not engine.add_lora(req) or req.lora_int_id not in engine.list_loras():
+            raise RuntimeError(
+                f"vLLM did not take adapter {name} (LoRA id {req.lora_int_id}): add_lora failed or the id is "
+                "not listed; check the engine log for LoRA errors (rank over max_lora_rank, unknown targets)"
+            )
+        return req
+
+    def _remove(self, req: Any) -> None:
+        if req is not None:
+            self._llm.llm_engine.remove_lora(req.lora_int_id)
+            shutil.rmtree(req.lora_path, ignore_errors=True)
+
+    def _reset_caches(self) -> None:
+        # After any adapter change: a cached image embedding or prefix of the old weights must not be reused.
+        self._llm.llm_engine.reset_encoder_cache()
+        self._llm.reset_prefix_cache()
 
     def sleep(self) -> None:
         """Level-1 sleep (GPU, `sleep_mode`): KV cache discarded, weights offloaded to host memory."""
@@ -141,17 +181,22 @@ class VLLMEngine:
         return device_memory()
 
     def generate(self, prompts: list[PromptItem], spec: SamplingSpec) -> list[list[Completion]]:
+        self.wake_up()  # a caller that forgot to wake the engine gets a working one, not an error
+        return self._generate(prompts, spec, self._lora)
+
+    def _generate(self, prompts: list[PromptItem], spec: SamplingSpec, lora: Any) -> list[list[Completion]]:
         from vllm import SamplingParams
 
-        self.wake_up()  # a caller that forgot to wake the engine gets a working one, not an error
+        if spec.seed is not None:
+            # One seed per step for the engine's own generator instead of per-request seeds: per-request seeds
+            # give sample j of every prompt the same noise and take vLLM's slow sampling path (and fail on the
+            # CPU build); reseeding the engine keeps every sample's noise distinct and a step reproducible.
+            self._llm.collective_rpc(_reseed, args=(spec.seed,))
         params = SamplingParams(
             n=spec.n,
             temperature=0.0 if spec.greedy else spec.temperature,
             top_p=1.0 if spec.greedy else spec.top_p,
             max_tokens=spec.max_tokens,
-            # Per-request seeds fail on vLLM's CPU sampler ("CPU Generator does not use offset"); there the
-            # engine-wide seed makes runs repeatable instead.
-            seed=None if self._cpu else spec.seed,
             logprobs=0,
             logit_bias={t: FORBIDDEN_BIAS for t in self.forbidden} or None,
             skip_special_tokens=True,
@@ -161,9 +206,11 @@ class VLLMEngine:
             for p in prompts
         ]
         try:
-            outputs = self._llm.generate(inputs, params, lora_request=self._lora, use_tqdm=False)
+            outputs = self._llm.generate(inputs, params, lora_request=lora, use_tqdm=False)
         except (RuntimeError, ValueError, AssertionError) as err:
-            # An in-process engine is unusable after an internal error (docs/ENGINE_NOTES.md): rebuild it, retry once.
+            if lora is not self._lora:
+                raise  # a probe: the rebuilt engine would not hold its adapter
+            # An in-process engine is unusable after an internal error (docs/ENGINE_NOTES.md): rebuild, retry once.
             logger.warning("vLLM engine failed (%s); rebuilding it and retrying the batch once", err)
             self._llm = self._build()
             outputs = self._llm.generate(inputs, params, lora_request=self._lora, use_tqdm=False)
@@ -186,3 +233,12 @@ class VLLMEngine:
     def close(self) -> None:
         shutil.rmtree(self._dir, ignore_errors=True)
         self._llm = None
+
+
+def _reseed(worker: Any, seed: int) -> None:
+    """Runs inside each vLLM worker (collective_rpc): reseed the generator its sampler draws from."""
+    import torch
+
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)

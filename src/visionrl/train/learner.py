@@ -48,6 +48,28 @@ class TrainBatch:
     sequences: list[Sequence]
 
 
+def _engine_mismatch(
+    seqs: list[Sequence],
+    rows: list[int],
+    old: dict[int, torch.Tensor] | None,
+    first_diff: float,
+    first_tokens: float,
+) -> float:
+    """Mean |learner - engine| log-prob per token over the whole batch, every term under the adapter version
+    that sampled it: mini-batch 1 from its training forward (before the first update), the later ones from the
+    old-log-prob pass (also before any update). A drifted update must not pass for an engine mismatch."""
+    total, count = first_diff * first_tokens, first_tokens
+    if old is None:
+        return first_diff
+    for r in rows:
+        k = len(seqs[r].completion_ids)
+        if k:
+            samp = torch.tensor(seqs[r].sampling_logprobs[:k], dtype=torch.float32)
+            total += float((old[r][:k] - samp).abs().sum())
+            count += k
+    return total / count if count else 0.0
+
+
 def lr_lambda(step: int, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
     """Multiplier of the peak learning rate at optimizer step `step` (0-based): linear warm-up, then constant
     or cosine decay to `min_ratio` at `total`."""
@@ -194,11 +216,15 @@ class Learner:
             ref = self._precompute(encoded, batch.sequences, range(len(batch.sequences)), adapter=False)
         t3 = time.perf_counter()
         totals: dict[str, float] = {}
+        first_diff, first_tokens = 0.0, 0.0
         for u, rows in enumerate(minis):
             metrics = self._update(encoded, batch.sequences, rows, old if u > 0 else None, ref)
+            if u == 0:  # measured before this step's first optimizer update, like the old log-probs
+                first_diff, first_tokens = metrics[tags.LOGPROB_DIFF], metrics[tags.LEARNER_TOKENS]
             for k, v in metrics.items():
                 totals[k] = totals.get(k, 0.0) + v / n_updates
         self.version += 1
+        totals[tags.LOGPROB_DIFF] = _engine_mismatch(batch.sequences, later, old, first_diff, first_tokens)
         totals[tags.LEARNER_TOKENS] *= n_updates  # a sum over the mini-batches, not a mean
         totals[tags.LEARNER_SEQUENCE_TOKENS] *= n_updates
         totals[tags.LEARNER_OLD_LOGPROB_S] = t2 - t1
@@ -333,6 +359,20 @@ class Learner:
             ADAPTER_WEIGHTS: save(weights, metadata={"format": "pt"}),
         }
         return AdapterPayload(version=self.version, files=files)
+
+    def probe_payload(self, std: float = 0.05) -> AdapterPayload:
+        """An adapter of this run's layout with random non-zero B (never trained, never served for rollouts):
+        the start-up check that engines apply what they are sent. Version -1 marks it."""
+        from safetensors.torch import load, save
+
+        payload = self.adapter_payload()
+        gen = torch.Generator().manual_seed(self.cfg.train.seed + 1)
+        weights = {
+            k: (torch.randn(v.shape, generator=gen) * std).to(v.dtype) if "lora_B" in k else v
+            for k, v in load(payload.files[ADAPTER_WEIGHTS]).items()
+        }
+        files = {**payload.files, ADAPTER_WEIGHTS: save(weights, metadata={"format": "pt"})}
+        return AdapterPayload(version=-1, files=files)
 
     # ------------------------------------------------------------------ checkpoint state
     def state_dict(self) -> dict[str, Any]:
