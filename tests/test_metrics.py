@@ -15,17 +15,13 @@ from visionrl import metrics
 from visionrl.metrics import (
     MetricsWriter,
     Progress,
-    RolloutSample,
     format_duration,
     load_events,
     read_scalars,
     read_tags,
-    render_rollout_grid,
     reward_component_tag,
-    samples_markdown,
-    truncate,
-    wrap_text,
 )
+from visionrl.pictures import RolloutSample, render_rollout_grid, samples_markdown, truncate, wrap_text
 
 
 def _sample(reward: float = 1.0, completion: str = "<answer>blue</answer>", size: int = 16) -> RolloutSample:

@@ -138,6 +138,39 @@ class AlgorithmConfig(_Section):
         3, ge=1, description="With dynamic_sampling: batches of prompts sampled per step, at most."
     )
     updates_per_batch: int = Field(1, ge=1, description="Optimizer steps per rollout batch (mini-batches).")
+    loss: Literal["ppo", "gspo", "cispo", "sapo"] = Field(
+        "ppo",
+        description="Policy loss: ppo (token ratio, clipped), gspo (sequence ratio, clipped; use a small clip "
+        "range, e.g. clip_low 3e-4, clip_high 4e-4), cispo (clipped ratio as a coefficient; clipped tokens keep "
+        "their gradient), sapo (a soft sigmoid gate instead of the clip).",
+    )
+    tau_pos: float = Field(1.0, gt=0.0, description="sapo: gate temperature for positive advantages.")
+    tau_neg: float = Field(1.05, gt=0.0, description="sapo: gate temperature for negative advantages.")
+    rollout_correction: Literal["off", "token", "sequence"] = Field(
+        "token",
+        description="Importance weights for the engine/learner mismatch (learner old log-probs vs the engine's "
+        "sampling log-probs) on the policy loss: per token, per sequence, or off. On by default: truncated at "
+        "correction_threshold, it only down-weights tokens the engine over-sampled.",
+    )
+    correction_mode: Literal["truncate", "mask"] = Field(
+        "truncate",
+        description="truncate: weights capped at correction_threshold (truncated IS); mask: tokens whose weight "
+        "lies outside [correction_lower, correction_threshold] are left out of the loss.",
+    )
+    correction_threshold: float = Field(2.0, gt=1.0, description="Upper bound of the correction weights.")
+    correction_lower: float = Field(0.5, gt=0.0, lt=1.0, description="correction_mode mask: the lower bound.")
+    overlong_buffer: int | None = Field(
+        None,
+        ge=1,
+        description="DAPO overlong shaping: completions longer than max_new_tokens - buffer get a reward penalty "
+        "rising linearly to -overlong_factor at max_new_tokens (null: off).",
+    )
+    overlong_factor: float = Field(1.0, gt=0.0, description="The overlong penalty at max_new_tokens.")
+    mask_truncated: bool = Field(
+        False,
+        description="Leave completions cut at max_new_tokens out of the loss (they still count in their group's "
+        "advantages).",
+    )
 
 
 class RolloutConfig(_Section):
@@ -288,6 +321,26 @@ class JobConfig(_Section):
             raise ValueError(
                 f"rollout.max_new_tokens={self.rollout.max_new_tokens} leaves no room for the prompt in "
                 f"rollout.max_model_len={self.rollout.max_model_len}; raise max_model_len or lower max_new_tokens"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def validate_overlong_buffer_fits(self) -> JobConfig:
+        buffer = self.algorithm.overlong_buffer
+        if buffer is not None and buffer > self.rollout.max_new_tokens:
+            raise ValueError(
+                f"algorithm.overlong_buffer={buffer} is longer than rollout.max_new_tokens="
+                f"{self.rollout.max_new_tokens}; the penalty starts at max_new_tokens - buffer, so set a buffer "
+                "of at most max_new_tokens (DAPO used a quarter of it)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def validate_gspo_without_dual_clip(self) -> JobConfig:
+        if self.algorithm.loss != "ppo" and self.algorithm.dual_clip is not None:
+            raise ValueError(
+                f"algorithm.dual_clip applies to the ppo loss only, not to algorithm.loss={self.algorithm.loss}; "
+                "set algorithm.dual_clip=null"
             )
         return self
 

@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
 def _answer_picture(data: Path, report: Path, out: Path) -> Path | None:
     """A grid of held-out images with the trained model's answers (green right, red wrong)."""
     from visionrl.data import load_dataset
-    from visionrl.metrics import RolloutSample, render_rollout_grid
+    from visionrl.pictures import RolloutSample, render_rollout_grid
 
     samples = json.loads(report.read_text())["samples"][:12]
     ds = load_dataset(data, max_samples=len(samples))

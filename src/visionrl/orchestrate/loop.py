@@ -16,7 +16,7 @@ import ray
 import torch
 
 from visionrl import metrics as tags
-from visionrl.algo import group_advantages, group_stats, groups_with_signal
+from visionrl.algo import group_advantages, group_stats, groups_with_signal, overlong_penalty
 from visionrl.checkpoint import latest_checkpoint
 from visionrl.config import JobConfig, dump_config
 from visionrl.errors import InputError, OutOfMemory, RunError
@@ -97,8 +97,9 @@ def _train(cfg: JobConfig, run: RunDir, resume: bool, prompts_in: PromptStream) 
                 prompts_in, workers, replace(spec, seed=cfg.train.seed * 100_003 + step), cfg, clock
             )
             prompts, completions, scores, rewards = got.prompts, got.completions, got.scores, got.rewards
-            adv = group_advantages(rewards, G, scale=cfg.algorithm.advantage_scale)  # 4. advantages
-            batch = _train_batch(prompts, completions, adv, got.keep, G)
+            shaped, shaping = _shape_rewards(rewards, completions, cfg)  # DAPO overlong shaping, if set
+            adv = group_advantages(shaped, G, scale=cfg.algorithm.advantage_scale)  # 4. advantages
+            batch = _train_batch(prompts, completions, adv, got.keep, G, cfg.algorithm.mask_truncated)
             with clock("update"):  # 5. learner update
                 stats = workers.update(batch) if batch.sequences else {}
             watch.check(step, stats.get(tags.LOGPROB_DIFF))  # the engine sampled the policy being trained
@@ -107,6 +108,7 @@ def _train(cfg: JobConfig, run: RunDir, resume: bool, prompts_in: PromptStream) 
                     workers.sync_adapter()
             m: dict[str, Any] = {
                 **_step_metrics(rewards, completions, scores, stats, G, int(got.keep.sum())),
+                **shaping,
                 tags.SAMPLING_ROUNDS: float(got.rounds),
                 **clock.metrics(),
             }
@@ -265,8 +267,10 @@ def _train_batch(
     adv: torch.Tensor,
     keep: torch.Tensor,
     G: int,
+    mask_truncated: bool = False,
 ) -> TrainBatch:
-    """Flatten the kept groups into sequences (each names its prompt)."""
+    """Flatten the kept groups into sequences (each names its prompt); with `mask_truncated` the completions cut
+    at max_new_tokens stay out of the loss (their rewards already counted in the group's advantages)."""
     seqs = [
         Sequence(
             prompt=i,
@@ -277,8 +281,25 @@ def _train_batch(
         for i, group in enumerate(completions)
         if keep[i]
         for j, c in enumerate(group)
+        if not (mask_truncated and c.truncated)
     ]
     return TrainBatch(prompts=prompts, sequences=seqs)
+
+
+def _shape_rewards(
+    rewards: torch.Tensor, completions: list[list[Completion]], cfg: JobConfig
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Rewards for the advantages: plus DAPO's overlong penalty when `algorithm.overlong_buffer` is set; and how
+    many completions the overlong penalty and `mask_truncated` touched."""
+    algo, flat = cfg.algorithm, [c for group in completions for c in group]
+    m = {tags.TRUNCATED_MASKED: float(sum(c.truncated for c in flat)) if algo.mask_truncated else 0.0}
+    if algo.overlong_buffer is None:
+        return rewards, {**m, tags.OVERLONG_PENALIZED: 0.0}
+    lengths = torch.tensor([len(c.token_ids) for c in flat], dtype=torch.float32)
+    penalty = overlong_penalty(lengths, cfg.rollout.max_new_tokens, algo.overlong_buffer, algo.overlong_factor)
+    m[tags.OVERLONG_PENALIZED] = float((penalty < 0).sum())
+    m[tags.OVERLONG_PENALTY_MEAN] = float(penalty.mean())
+    return rewards + penalty, m
 
 
 def _step_metrics(

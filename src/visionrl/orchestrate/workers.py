@@ -21,8 +21,8 @@ from visionrl.config import JobConfig
 from visionrl.data import PromptSampler, load_dataset
 from visionrl.data.prompts import build_prompt
 from visionrl.errors import RunError
-from visionrl.metrics import RolloutSample
 from visionrl.models.loader import load_processor
+from visionrl.pictures import RolloutSample
 from visionrl.rewards import CombinedReward, RewardResult, build_reward_fn
 from visionrl.run_layout import RunDir
 from visionrl.train.learner import TrainBatch

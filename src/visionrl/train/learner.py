@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from visionrl import metrics as tags
-from visionrl.algo import aggregate, kl_penalty, masked_mean, policy_loss
+from visionrl.algo import aggregate, kl_penalty, masked_mean, policy_loss, rollout_correction
 from visionrl.config import JobConfig
 from visionrl.gpu_memory import device_memory
 from visionrl.models.loader import (
@@ -251,6 +251,30 @@ class Learner:
                 out[row] = lp[b]
         return out
 
+    def _correction(
+        self, old_lp: torch.Tensor, sampling_lp: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+        """Rollout-correction weights (learner old log-probs over the engine's) for the policy loss, and their
+        metrics weighted for the micro-batch average; (None, {}) with `algorithm.rollout_correction: off`."""
+        algo = self.cfg.algorithm
+        if algo.rollout_correction == "off":
+            return None, {}
+        lower = algo.correction_lower if algo.correction_mode == "mask" else None
+        weights, m = rollout_correction(
+            old_lp,
+            sampling_lp,
+            mask,
+            level=algo.rollout_correction,
+            threshold=algo.correction_threshold,
+            lower=lower,
+        )
+        affected = m["masked_fraction"] if lower is not None else m["truncated_fraction"]
+        return weights, {
+            tags.CORRECTION_WEIGHT: m["mean_weight"],
+            tags.CORRECTION_CLIPPED: affected,
+            tags.MISMATCH_KL: m["mismatch_kl"],
+        }
+
     def _gather(self, store: dict[int, torch.Tensor] | None, mb: MicroBatch) -> torch.Tensor | None:
         if store is None:
             return None
@@ -278,6 +302,8 @@ class Learner:
             lp, entropy = self._stats(mb)
             old_lp = self._gather(old, mb)
             old_lp = lp.detach() if old_lp is None else old_lp  # on-policy: ratio 1, gradient of A * lp
+            samp = mb.sampling_logprobs.to(self.device)
+            weights, cm = self._correction(old_lp, samp, mask)
             loss, pm = policy_loss(
                 lp,
                 old_lp,
@@ -287,6 +313,10 @@ class Learner:
                 clip_high=algo.clip_high,
                 dual_clip=algo.dual_clip,
                 aggregation=algo.loss_aggregation,
+                kind=algo.loss,
+                weights=weights,
+                tau_pos=algo.tau_pos,
+                tau_neg=algo.tau_neg,
                 **norms,
             )
             total = loss
@@ -300,8 +330,8 @@ class Learner:
             total.backward()
             w = mb.num_tokens / max(num_tokens, 1.0)  # token-weighted averages of per-micro-batch metrics
             with torch.no_grad():
-                samp = mb.sampling_logprobs.to(self.device)
                 for k, v in {
+                    **{k: v * w for k, v in cm.items()},
                     tags.LOSS_POLICY: loss.detach(),
                     tags.LOSS_KL: kl.detach(),
                     tags.LOSS_TOTAL: total.detach(),
