@@ -15,7 +15,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from visionrl.errors import InputError
+from visionrl.config_yaml import ConfigError, UniqueKeyLoader, apply_overrides
 from visionrl.rewards.registry import RewardConfigError, RewardSpec, resolve_reward
 
 # Default LoRA targets: the language model's projections only (never the vision blocks, whose
@@ -24,10 +24,6 @@ LM_PROJECTIONS = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up
 # The vision->language merger (and deepstack mergers) of Qwen3-VL; vLLM applies LoRA there only with
 # `enable_tower_connector_lora=True` (docs/ENGINE_NOTES.md).
 MERGER_PROJECTIONS = r".*visual\.(merger|deepstack_merger_list\.\d+)\.(linear_fc1|linear_fc2)"
-
-
-class ConfigError(InputError):
-    """A job file is malformed; the message says which key, what is wrong and what to do."""
 
 
 class _Section(BaseModel):
@@ -387,71 +383,6 @@ class JobConfig(_Section):
 # Loading
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader that rejects a key repeated in one mapping (PyYAML would silently keep the last one,
-    dropping e.g. a whole first `train:` section)."""
-
-
-def _construct_unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> Any:
-    seen: set[Any] = set()
-    for key_node, _ in node.value:
-        if key_node.tag == "tag:yaml.org,2002:merge":
-            continue  # `<<: *anchor` merges; a key written next to it overrides the merged one (YAML rule)
-        key = loader.construct_object(key_node, deep=deep)
-        if not isinstance(key, str | int | float | bool):
-            continue  # unhashable keys: construct_mapping reports them
-        if key in seen:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"key {key!r} appears twice in one mapping; keep only one", key_node.start_mark
-            )
-        seen.add(key)
-    return loader.construct_mapping(node, deep=deep)
-
-
-_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping)
-
-
-def _parse_override(item: str) -> tuple[list[str], Any]:
-    if "=" not in item:
-        raise ConfigError(f"override '{item}' is not of the form key.path=value (e.g. train.steps=10)")
-    key, _, raw = item.partition("=")
-    if not key or any(not part for part in key.split(".")):
-        raise ConfigError(f"override '{item}' has an empty key part; write it as section.key=value")
-    # YAML parsing gives numbers, booleans, null and lists their natural types ("[a, b]", "1e-3", "true").
-    try:
-        value = yaml.load(raw, Loader=_UniqueKeyLoader) if raw != "" else ""
-    except yaml.YAMLError as err:
-        raise ConfigError(f"override '{item}': value is not valid YAML ({err.__class__.__name__})") from None
-    return key.split("."), value
-
-
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Set `a.b.c=value` items into a nested dict (a new dict; the input is not modified)."""
-    out = _deep_copy(data)
-    for item in overrides:
-        path, value = _parse_override(item)
-        node = out
-        for part in path[:-1]:
-            child = node.get(part)
-            if child is None:
-                child = node[part] = {}
-            if not isinstance(child, dict):
-                raise ConfigError(
-                    f"override '{item}': '{part}' is a value, not a section, so it has no key '{path[-1]}'"
-                )
-            node = child
-        node[path[-1]] = value
-    return out
-
-
-def _deep_copy(data: Any) -> Any:
-    if isinstance(data, dict):
-        return {k: _deep_copy(v) for k, v in data.items()}
-    if isinstance(data, list):
-        return [_deep_copy(v) for v in data]
-    return data
-
-
 def _format_errors(err: ValidationError, source: str) -> str:
     lines = [f"{source}: {err.error_count()} problem(s) in the job config:"]
     for e in err.errors():
@@ -487,7 +418,7 @@ def load_config(path: str | os.PathLike[str], overrides: list[str] | None = None
     if not p.is_file():
         raise ConfigError(f"job file '{p}' does not exist; pass the path of a YAML job file (see configs/)")
     try:
-        data = yaml.load(p.read_text(), Loader=_UniqueKeyLoader)
+        data = yaml.load(p.read_text(), Loader=UniqueKeyLoader)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
