@@ -406,3 +406,38 @@ def test_betas_outside_zero_one_are_config_errors(betas: str) -> None:
 def test_betas_at_the_lower_bound_are_kept_as_written() -> None:
     cfg = config_from_dict(apply_overrides(MINIMAL, ["train.betas=[0.0, 0.5]"]))
     assert cfg.train.betas == (0.0, 0.5)
+
+
+def test_new_algorithm_keys_and_their_checks() -> None:
+    # YAML reads a bare `off` as false; the option is still the one named "off"
+    cfg = config_from_dict(
+        apply_overrides(MINIMAL, ["algorithm.rollout_correction=off", "algorithm.loss=gspo"])
+    )
+    assert cfg.algorithm.rollout_correction == "off" and cfg.algorithm.loss == "gspo"
+    defaults = config_from_dict(MINIMAL).algorithm
+    assert (defaults.loss, defaults.rollout_correction, defaults.correction_mode) == (
+        "ppo",
+        "token",
+        "truncate",
+    )
+    assert defaults.overlong_buffer is None and not defaults.mask_truncated
+    with pytest.raises(ConfigError, match="overlong_buffer=300 is longer than rollout.max_new_tokens=256"):
+        config_from_dict(
+            apply_overrides(MINIMAL, ["algorithm.overlong_buffer=300", "rollout.max_new_tokens=256"])
+        )
+    with pytest.raises(ConfigError, match="dual_clip applies to the ppo loss only"):
+        config_from_dict(apply_overrides(MINIMAL, ["algorithm.loss=cispo", "algorithm.dual_clip=3.0"]))
+    with pytest.raises(ConfigError, match="sleep_during_update frees the engines' GPU memory"):
+        config_from_dict(
+            apply_overrides(
+                MINIMAL,
+                [
+                    "rollout.sleep_during_update=true",
+                    "ray.placement=split",
+                    "ray.learner_gpus=1",
+                    "rollout.gpus_per_engine=1",
+                ],
+            )
+        )
+    with pytest.raises(ConfigError, match="algorithm.loss"):
+        config_from_dict(apply_overrides(MINIMAL, ["algorithm.loss=grpo"]))

@@ -169,6 +169,13 @@ class AlgorithmConfig(_Section):
     )
 
 
+    @field_validator("rollout_correction", mode="before")
+    @classmethod
+    def auto_correction_off_from_yaml_false(cls, value: Any) -> Any:
+        # YAML 1.1 reads a bare `off` as false: `rollout_correction: off` means the option named "off".
+        return "off" if value is False else value
+
+
 class RolloutConfig(_Section):
     engine: Literal["vllm", "hf"] = Field(
         "vllm", description="Rollout engine: vLLM (default) or transformers generate."
