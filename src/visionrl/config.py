@@ -168,7 +168,6 @@ class AlgorithmConfig(_Section):
         "advantages).",
     )
 
-
     @field_validator("rollout_correction", mode="before")
     @classmethod
     def auto_correction_off_from_yaml_false(cls, value: Any) -> Any:

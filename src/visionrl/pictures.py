@@ -158,5 +158,3 @@ def samples_markdown(samples: Sequence[RolloutSample], max_chars: int = MAX_COMP
         cells = [s.question, truncate(s.completion, max_chars), s.answer]
         rows.append(f"| {i} | " + " | ".join(_markdown_cell(c) for c in cells) + f" | {s.reward:.2f} |")
     return "\n".join(rows)
-
-

@@ -296,7 +296,9 @@ def _shape_rewards(
     if algo.overlong_buffer is None:
         return rewards, {**m, tags.OVERLONG_PENALIZED: 0.0}
     lengths = torch.tensor([len(c.token_ids) for c in flat], dtype=torch.float32)
-    penalty = overlong_penalty(lengths, cfg.rollout.max_new_tokens, algo.overlong_buffer, algo.overlong_factor)
+    penalty = overlong_penalty(
+        lengths, cfg.rollout.max_new_tokens, algo.overlong_buffer, algo.overlong_factor
+    )
     m[tags.OVERLONG_PENALIZED] = float((penalty < 0).sum())
     m[tags.OVERLONG_PENALTY_MEAN] = float(penalty.mean())
     return rewards + penalty, m
