@@ -159,3 +159,45 @@ def test_step_clock_reports_each_phase_and_the_step() -> None:
     assert (
         0 <= m["timing/rollout_s"] <= m["timing/step_s"] and 0 <= m["timing/update_s"] <= m["timing/step_s"]
     )
+
+
+def _shaping_cfg(**algorithm: object):
+    return config_from_dict(
+        {
+            "output_dir": "x",
+            "model": {"path": "m"},
+            "data": {"train": "t.jsonl"},
+            "rewards": [{"name": "exact_match"}],
+            "algorithm": {"group_size": 2, **algorithm},
+            "rollout": {"prompts_per_step": 3, "max_new_tokens": 6},
+        }
+    )
+
+
+def test_overlong_shaping_adds_the_dapo_ramp_to_the_rewards() -> None:
+    from visionrl.orchestrate.loop import _shape_rewards
+
+    # lengths 1..6, max_new_tokens 6, buffer 4: the ramp starts after 6 - 4 = 2 tokens and reaches -factor at 6:
+    # penalty = -0.5 * (len - 2) / 4 -> 0, 0, -0.125, -0.25, -0.375, -0.5
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 0.0])
+    shaped, m = _shape_rewards(rewards, _groups(), _shaping_cfg(overlong_buffer=4, overlong_factor=0.5))
+    torch.testing.assert_close(shaped, torch.tensor([1.0, 0.0, 0.875, -0.25, 0.625, -0.5]))
+    assert m["response/overlong_penalized"] == 4.0
+    assert m["reward/overlong_penalty_mean"] == pytest.approx(-1.25 / 6)
+    same, m_off = _shape_rewards(rewards, _groups(), _shaping_cfg())
+    assert same is rewards and m_off["response/overlong_penalized"] == 0.0
+
+
+def test_mask_truncated_leaves_cut_completions_out_of_the_loss() -> None:
+    from visionrl.orchestrate.loop import _shape_rewards
+
+    adv = torch.arange(6, dtype=torch.float32)
+    keep = torch.ones(3, dtype=torch.bool)
+    prompts = [PromptItem(text=f"p{i}", images=[]) for i in range(3)]
+    full = _train_batch(prompts, _groups(), adv, keep, 2)
+    masked = _train_batch(prompts, _groups(), adv, keep, 2, mask_truncated=True)
+    assert len(full.sequences) == 6
+    # the one completion that hit max_tokens (prompt 2, second sample, advantage 5) is left out
+    assert [s.advantage for s in masked.sequences] == [0.0, 1.0, 2.0, 3.0, 4.0]
+    _, m = _shape_rewards(torch.zeros(6), _groups(), _shaping_cfg(mask_truncated=True))
+    assert m["response/truncated_masked"] == 1.0
