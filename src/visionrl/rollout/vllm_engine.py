@@ -68,6 +68,7 @@ class VLLMEngine:
             "logprobs_mode": "processed_logprobs",
             "limit_mm_per_prompt": {"image": max_images_per_prompt, "video": 0},
             "enforce_eager": enforce_eager,
+            "worker_extension_cls": "visionrl.rollout.vllm_worker.VisionRLWorkerExtension",
         }
         if tower_lora:
             self._llm_kwargs["enable_tower_connector_lora"] = True
@@ -191,7 +192,7 @@ class VLLMEngine:
             # One seed per step for the engine's own generator instead of per-request seeds: per-request seeds
             # give sample j of every prompt the same noise and take vLLM's slow sampling path (and fail on the
             # CPU build); reseeding the engine keeps every sample's noise distinct and a step reproducible.
-            self._llm.collective_rpc(_reseed, args=(spec.seed,))
+            self._llm.collective_rpc("visionrl_reseed", args=(spec.seed,))
         params = SamplingParams(
             n=spec.n,
             temperature=0.0 if spec.greedy else spec.temperature,
@@ -234,11 +235,3 @@ class VLLMEngine:
         shutil.rmtree(self._dir, ignore_errors=True)
         self._llm = None
 
-
-def _reseed(worker: Any, seed: int) -> None:
-    """Runs inside each vLLM worker (collective_rpc): reseed the generator its sampler draws from."""
-    import torch
-
-    torch.manual_seed(seed)
-    if torch.cuda.is_available():
-        torch.cuda.manual_seed_all(seed)
