@@ -146,7 +146,7 @@ def test_two_steps_through_ray_write_the_tensorboard_tags_and_resume(
         ("ppo", {}, {}),
         # the new kinds with 2 updates per batch, so the second mini-batch is off-policy and the kinds differ
         ("gspo", {"updates_per_batch": 2, "clip_low": 3e-4, "clip_high": 4e-4}, {}),
-        ("cispo", {"updates_per_batch": 2}, {}),
+        ("cispo", {"updates_per_batch": 2, "clip_high": 4.0}, {}),  # CISPO bounds the weight from above only
         # sapo also runs the engine sleep/wake path of the loop (a no-op in the CPU engine)
         ("sapo", {"updates_per_batch": 2}, {"sleep_during_update": True}),
     ],
