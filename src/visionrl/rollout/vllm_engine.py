@@ -234,4 +234,3 @@ class VLLMEngine:
     def close(self) -> None:
         shutil.rmtree(self._dir, ignore_errors=True)
         self._llm = None
-
