@@ -29,3 +29,20 @@ def test_lr_schedule_warmup_then_cosine() -> None:
     assert lr_lambda(6, 2, 10, "cosine", 0.1) == pytest.approx(0.1 + 0.9 * 0.5)  # halfway: cos(pi/2)=0
     assert lr_lambda(10, 2, 10, "cosine", 0.1) == pytest.approx(0.1)
     assert lr_lambda(7, 0, 10, "constant", 0.1) == 1.0
+
+
+def test_micro_batch_rows_are_padded_to_a_multiple_of_16() -> None:
+    import torch
+
+    from visionrl.train.batching import SEQ_MULTIPLE, EncodedPrompt, Sequence, collate
+
+    # prompts of 5 and 3 tokens, completions of 4 and 2: P = 5, T = 4 -> P + T = 9, padded to 16 (T = 11)
+    prompts = [
+        EncodedPrompt(torch.arange(5), torch.zeros(5, dtype=torch.long), None, None),
+        EncodedPrompt(torch.arange(3), torch.zeros(3, dtype=torch.long), None, None),
+    ]
+    seqs = [Sequence(0, [1, 2, 3, 4], 1.0, [-1.0] * 4), Sequence(1, [5, 6], -1.0, [-2.0] * 2)]
+    mb = collate(prompts, seqs, [0, 1], pad_id=0)
+    assert SEQ_MULTIPLE == 16 and mb.input_ids.shape == (2, 16) and mb.completion_ids.shape == (2, 11)
+    assert mb.completion_mask.sum(1).tolist() == [4.0, 2.0]  # the extra columns are padding only
+    assert mb.num_tokens == 6 and mb.sequence_tokens == 5 + 4 + 3 + 2

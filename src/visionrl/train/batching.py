@@ -16,6 +16,10 @@ import torch
 
 from visionrl.train.forward import ImageShare, share_plan
 
+# Micro-batch rows are padded to a multiple of this many positions: with a padding mask, SDPA's fused kernels
+# want the mask's last dimension aligned; an unaligned one can send attention to a slower path.
+SEQ_MULTIPLE = 16
+
 
 @dataclass
 class EncodedPrompt:
@@ -91,6 +95,7 @@ def collate(
     chosen = [seqs[r] for r in rows]
     P = max(len(prompts[s.prompt].input_ids) for s in chosen)
     T = max(max(len(s.completion_ids), 1) for s in chosen)
+    T += (-(P + T)) % SEQ_MULTIPLE  # a row length the attention kernels take without re-padding the mask
     B = len(chosen)
     input_ids = torch.full((B, P + T), pad_id, dtype=torch.long)
     attention = torch.zeros((B, P + T), dtype=torch.long)
