@@ -84,13 +84,12 @@ def _process_title(pid: str) -> str:
 def build_model(out: Path, smoke: bool) -> float:
     """The checkpoint, written by a child process so that this one never holds a CUDA context."""
     code = (
-        "import sys; from pathlib import Path; sys.path.insert(0, 'benchmarks'); "
-        "from gpu_learner import SMOKE_TEXT, SMOKE_VISION; "
-        "from visionrl.models.shaped import build_shaped_checkpoint; "
+        "from pathlib import Path; "
+        "from visionrl.models.shaped import SMALL_TEXT, SMALL_VISION, build_shaped_checkpoint; "
         f"smoke = {smoke}; "
         f"build_shaped_checkpoint(Path({str(out)!r}), device='cpu' if smoke else 'cuda', "
-        "dtype='float32' if smoke else 'bfloat16', text=SMOKE_TEXT if smoke else None, "
-        "vision=SMOKE_VISION if smoke else None)"
+        "dtype='float32' if smoke else 'bfloat16', text=SMALL_TEXT if smoke else None, "
+        "vision=SMALL_VISION if smoke else None)"
     )
     t = time.perf_counter()
     subprocess.run([sys.executable, "-c", code], check=True)

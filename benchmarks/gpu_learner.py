@@ -24,29 +24,8 @@ from typing import Any
 
 import torch
 
-SMOKE_TEXT = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "head_dim": 32,
-    "rope_parameters": {
-        "rope_type": "default",
-        "rope_theta": 5e6,
-        "mrope_section": [6, 5, 5],
-        "mrope_interleaved": True,
-    },
-}
-SMOKE_VISION = {
-    "depth": 2,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_heads": 2,
-    "out_hidden_size": 64,
-    "num_position_embeddings": 256,
-    "deepstack_visual_indexes": [0],
-}
+from visionrl.models.shaped import SMALL_TEXT as SMOKE_TEXT
+from visionrl.models.shaped import SMALL_VISION as SMOKE_VISION
 
 # Each variant: a name, what it changes (applied on top of the previous ones unless `alone`), and the prediction
 # written before the run (benchmarks/NOTES-gpu-learner.md explains them).

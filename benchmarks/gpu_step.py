@@ -29,60 +29,12 @@ BASELINES = {
     "lora_fwd_bwd_peak_gib": 26.0,
 }
 
-# Qwen3-VL-8B-Instruct's shapes (text 36 layers x 4096, vision 27 blocks x 1152, deepstack 8/16/24).
-TEXT_8B = {
-    "hidden_size": 4096,
-    "intermediate_size": 12288,
-    "num_hidden_layers": 36,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "vocab_size": 151936,
-    "max_position_embeddings": 32768,
-    "rope_parameters": {
-        "rope_type": "default",
-        "rope_theta": 5_000_000.0,
-        "mrope_section": [24, 20, 20],
-        "mrope_interleaved": True,
-    },
-}
-VISION_8B = {
-    "depth": 27,
-    "hidden_size": 1152,
-    "intermediate_size": 4304,
-    "num_heads": 16,
-    "patch_size": 16,
-    "spatial_merge_size": 2,
-    "temporal_patch_size": 2,
-    "out_hidden_size": 4096,
-    "num_position_embeddings": 2304,
-    "deepstack_visual_indexes": [8, 16, 24],
-}
-
 
 def build_8b_checkpoint(out: Path) -> Path:
-    """A Qwen3-VL-8B-shaped checkpoint with random bf16 weights and the tiny model's tokenizer/processor."""
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    """A Qwen3-VL-8B-shaped checkpoint with random bf16 weights (`visionrl.models.shaped`)."""
+    from visionrl.models.shaped import build_shaped_checkpoint
 
-    from visionrl.models.tiny import build_tiny_model
-
-    build_tiny_model(out, seed=0)  # tokenizer, processor, chat template (replaced weights below)
-    cfg = json.loads((out / "config.json").read_text())
-    cfg["text_config"].update(TEXT_8B)
-    cfg["vision_config"].update(VISION_8B)
-    cfg["text_config"]["dtype"] = cfg["dtype"] = "bfloat16"
-    for f in out.glob("*.safetensors"):
-        f.unlink()
-    config = Qwen3VLConfig(
-        **{k: v for k, v in cfg.items() if k not in ("architectures", "transformers_version")}
-    )
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = Qwen3VLForConditionalGeneration(config).to(torch.bfloat16)
-    model.save_pretrained(out, safe_serialization=True)
-    del model
-    torch.cuda.empty_cache()
-    return out
+    return build_shaped_checkpoint(out, device="cuda")
 
 
 def job(model_dir: Path, prompts: int, group: int, new_tokens: int, micro_tokens: int):

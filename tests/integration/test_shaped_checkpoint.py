@@ -9,36 +9,12 @@ import torch
 
 pytestmark = pytest.mark.slow
 
-SMALL_TEXT = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "head_dim": 32,
-    "rope_parameters": {
-        "rope_type": "default",
-        "rope_theta": 5_000_000.0,
-        "mrope_section": [6, 5, 5],
-        "mrope_interleaved": True,
-    },
-}
-SMALL_VISION = {
-    "depth": 2,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_heads": 2,
-    "out_hidden_size": 64,
-    "num_position_embeddings": 256,
-    "deepstack_visual_indexes": [0],
-}
-
 
 def test_shaped_checkpoint_has_the_real_qwen_token_ids(tmp_path: Path) -> None:
     from PIL import Image
 
     from visionrl.models.loader import load_base_model, load_processor
-    from visionrl.models.shaped import build_shaped_checkpoint
+    from visionrl.models.shaped import SMALL_TEXT, SMALL_VISION, build_shaped_checkpoint
     from visionrl.rollout.hf_engine import end_of_sequence_ids
 
     out = build_shaped_checkpoint(

@@ -43,6 +43,31 @@ VISION_8B: dict[str, Any] = {
     "num_position_embeddings": 2304,
     "deepstack_visual_indexes": [8, 16, 24],
 }
+# Small shapes with the same structure (and the real vocabulary and token ids), for CPU smoke runs and tests:
+# they satisfy transformers' and vLLM's CPU rules (docs/ENGINE_NOTES.md, "Tiny model rules").
+SMALL_TEXT: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 32,
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 5_000_000.0,
+        "mrope_section": [6, 5, 5],
+        "mrope_interleaved": True,
+    },
+}
+SMALL_VISION: dict[str, Any] = {
+    "depth": 2,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_heads": 2,
+    "out_hidden_size": 64,
+    "num_position_embeddings": 256,
+    "deepstack_visual_indexes": [0],
+}
 # The special tokens of Qwen's tokenizer at their real ids.
 QWEN_SPECIAL_IDS = {
     "<|endoftext|>": 151643,
