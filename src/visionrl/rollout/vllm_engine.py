@@ -135,7 +135,7 @@ class VLLMEngine:
         return largest_first_token_change(before, after)
 
     def _add(self, payload: AdapterPayload, name: str) -> Any:
-        """Write the adapter's files and add it under a LoRA id never used before (FACTS: a reused id or name
+        """Write the adapter's files and add it under a LoRA id never used before (docs/ENGINE_NOTES.md: a reused id or name
         serves stale image embeddings); raises if vLLM does not list it afterwards."""
         from vllm.lora.request import LoRARequest
 
