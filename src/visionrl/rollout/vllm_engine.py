@@ -135,8 +135,8 @@ class VLLMEngine:
         return largest_first_token_change(before, after)
 
     def _add(self, payload: AdapterPayload, name: str) -> Any:
-        """Write the adapter's files and add it under a LoRA id never used before (docs/ENGINE_NOTES.md: a reused id or name
-        serves stale image embeddings); raises if vLLM does not list it afterwards."""
+        """Write the adapter's files and add it under a LoRA id never used before (a reused id or name serves
+        stale image embeddings: docs/ENGINE_NOTES.md); raises if vLLM does not list it afterwards."""
         from vllm.lora.request import LoRARequest
 
         self._next_id += 1
