@@ -92,9 +92,8 @@ def build_qwen_tokenizer(out_dir: Path, words: list[str], vocab_size: int = 1519
     """A word-level fast tokenizer of `vocab_size` ids: `words` first, Qwen's special tokens at their real ids,
     unused filler tokens everywhere else (so every id an engine samples decodes)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
-    from visionrl.models.tiny import CHAT_TEMPLATE
+    from visionrl.models.tiny import save_qwen_tokenizer
 
     special_at = {i: t for t, i in QWEN_SPECIAL_IDS.items()}
     if vocab_size <= max(special_at):
@@ -111,22 +110,7 @@ def build_qwen_tokenizer(out_dir: Path, words: list[str], vocab_size: int = 1519
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=True)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN_SPECIAL_IDS])
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        unk_token="<unk>",
-        pad_token="<|endoftext|>",
-        eos_token="<|im_end|>",
-        extra_special_tokens={
-            "image_token": "<|image_pad|>",
-            "video_token": "<|video_pad|>",
-            "vision_start_token": "<|vision_start|>",
-            "vision_end_token": "<|vision_end|>",
-        },
-        model_max_length=TEXT_8B["max_position_embeddings"],
-        padding_side="left",
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(out_dir)
+    save_qwen_tokenizer(tok, out_dir, model_max_length=TEXT_8B["max_position_embeddings"])
     return vocab
 
 
@@ -145,17 +129,13 @@ def build_shaped_checkpoint(
     """
     import torch
     from transformers import (
-        AutoTokenizer,
         GenerationConfig,
-        Qwen2VLImageProcessor,
         Qwen3VLConfig,
         Qwen3VLForConditionalGeneration,
-        Qwen3VLProcessor,
-        Qwen3VLVideoProcessor,
     )
 
     from visionrl.data.synthetic import task_vocabulary
-    from visionrl.models.tiny import BASE_WORDS, CHAT_TEMPLATE
+    from visionrl.models.tiny import BASE_WORDS, save_qwen_processor
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -188,28 +168,9 @@ def build_shaped_checkpoint(
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
     patch, merge = vision_cfg["patch_size"], vision_cfg["spatial_merge_size"]
-    processor = Qwen3VLProcessor(
-        image_processor=Qwen2VLImageProcessor(
-            patch_size=patch,
-            merge_size=merge,
-            temporal_patch_size=2,
-            image_mean=[0.5, 0.5, 0.5],
-            image_std=[0.5, 0.5, 0.5],
-            min_pixels=(patch * merge) ** 2,
-            max_pixels=1024 * 1024,
-            size={"shortest_edge": (patch * merge) ** 2, "longest_edge": 1024 * 1024},
-        ),
-        tokenizer=AutoTokenizer.from_pretrained(out),
-        video_processor=Qwen3VLVideoProcessor(
-            patch_size=patch,
-            merge_size=merge,
-            temporal_patch_size=2,
-            image_mean=[0.5] * 3,
-            image_std=[0.5] * 3,
-        ),
-        chat_template=CHAT_TEMPLATE,
+    save_qwen_processor(
+        out, patch=patch, merge=merge, min_pixels=(patch * merge) ** 2, max_pixels=1024 * 1024
     )
-    processor.save_pretrained(out)
     GenerationConfig(
         eos_token_id=QWEN_EOS_IDS, pad_token_id=ids["<|endoftext|>"], do_sample=True, temperature=1.0
     ).save_pretrained(out)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 # Special tokens of the Qwen chat format. Their names are the ones Qwen3VLProcessor and vLLM look for.
 SPECIAL_TOKENS = [
@@ -102,10 +103,55 @@ def tiny_config_dict(vocab_size: int, token_ids: dict[str, int]) -> dict:
     }
 
 
+def save_qwen_tokenizer(tok: Any, out_dir: Path, model_max_length: int) -> None:
+    """Save a `tokenizers.Tokenizer` as the fast tokenizer Qwen3VLProcessor and vLLM expect: Qwen's special-token
+    names, left padding, the chat template."""
+    from transformers import PreTrainedTokenizerFast
+
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        pad_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        extra_special_tokens={
+            "image_token": "<|image_pad|>",
+            "video_token": "<|video_pad|>",
+            "vision_start_token": "<|vision_start|>",
+            "vision_end_token": "<|vision_end|>",
+        },
+        model_max_length=model_max_length,
+        padding_side="left",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out_dir)
+
+
+def save_qwen_processor(out_dir: Path, *, patch: int, merge: int, min_pixels: int, max_pixels: int) -> Any:
+    """Write the Qwen3-VL processor (image and video processors, mean = std = 0.5, the chat template) next to the
+    tokenizer already saved in `out_dir`."""
+    from transformers import AutoTokenizer, Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
+
+    common = {"patch_size": patch, "merge_size": merge, "temporal_patch_size": 2}
+    norm = {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
+    processor = Qwen3VLProcessor(
+        image_processor=Qwen2VLImageProcessor(
+            **common,
+            **norm,
+            min_pixels=min_pixels,
+            max_pixels=max_pixels,
+            size={"shortest_edge": min_pixels, "longest_edge": max_pixels},
+        ),
+        tokenizer=AutoTokenizer.from_pretrained(out_dir),
+        video_processor=Qwen3VLVideoProcessor(**common, **norm),
+        chat_template=CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(out_dir)
+    return processor
+
+
 def train_tokenizer(words: list[str], out_dir: Path) -> dict[str, int]:
     """Train a word-level tokenizer on `words` (plus BASE_WORDS) and save it as a fast tokenizer."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     vocab_words = sorted(set(BASE_WORDS) | {w for w in words if w})
     tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
@@ -121,22 +167,7 @@ def train_tokenizer(words: list[str], out_dir: Path) -> dict[str, int]:
     trainer = trainers.WordLevelTrainer(special_tokens=SPECIAL_TOKENS, min_frequency=1, vocab_size=n + pad)
     tok.train_from_iterator([" ".join(vocab_words)], trainer=trainer)
     tok.add_special_tokens(filler)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        unk_token="<unk>",
-        pad_token="<|endoftext|>",
-        eos_token="<|im_end|>",
-        extra_special_tokens={
-            "image_token": "<|image_pad|>",
-            "video_token": "<|video_pad|>",
-            "vision_start_token": "<|vision_start|>",
-            "vision_end_token": "<|vision_end|>",
-        },
-        model_max_length=4096,
-        padding_side="left",
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(out_dir)
+    save_qwen_tokenizer(tok, out_dir, model_max_length=4096)
     vocab = tok.get_vocab()
     assert len(vocab) % VOCAB_MULTIPLE == 0, len(vocab)
     return vocab
@@ -153,11 +184,8 @@ def build_tiny_model(
     import torch
     from transformers import (
         GenerationConfig,
-        Qwen2VLImageProcessor,
         Qwen3VLConfig,
         Qwen3VLForConditionalGeneration,
-        Qwen3VLProcessor,
-        Qwen3VLVideoProcessor,
     )
 
     from visionrl.data.synthetic import task_vocabulary
@@ -170,33 +198,7 @@ def build_tiny_model(
     torch.manual_seed(seed)
     model = Qwen3VLForConditionalGeneration(config).to(torch.float32).eval()
 
-    image_processor = Qwen2VLImageProcessor(
-        patch_size=16,
-        merge_size=2,
-        temporal_patch_size=2,
-        image_mean=[0.5, 0.5, 0.5],
-        image_std=[0.5, 0.5, 0.5],
-        min_pixels=32 * 32,
-        max_pixels=448 * 448,
-        size={"shortest_edge": 32 * 32, "longest_edge": 448 * 448},
-    )
-    video_processor = Qwen3VLVideoProcessor(
-        patch_size=16,
-        merge_size=2,
-        temporal_patch_size=2,
-        image_mean=[0.5, 0.5, 0.5],
-        image_std=[0.5, 0.5, 0.5],
-    )
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(out)
-    processor = Qwen3VLProcessor(
-        image_processor=image_processor,
-        tokenizer=tokenizer,
-        video_processor=video_processor,
-        chat_template=CHAT_TEMPLATE,
-    )
-    processor.save_pretrained(out)
+    processor = save_qwen_processor(out, patch=16, merge=2, min_pixels=32 * 32, max_pixels=448 * 448)
     info: dict = {"seed": seed, "kind": "tiny-qwen3-vl", "pretrained": pretrain}
     if pretrain:
         from visionrl.models.pretrain import pretrain_tiny
