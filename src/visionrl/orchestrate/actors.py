@@ -142,9 +142,6 @@ class RolloutActor:
         with _memory_guard("rollout engine", "wake-up after the update", self.cfg):
             self.engine.wake_up()
 
-    def memory(self) -> dict[str, float]:
-        return self.engine.memory()
-
     def adapter_version(self) -> int:
         return self.engine.adapter_version()
 

@@ -162,14 +162,6 @@ class Workers:
             stats[tags.ENGINE_WAKE] = time.perf_counter() - t2
         return stats
 
-    def memory(self) -> dict[str, dict[str, float]]:
-        """Each actor's view of its GPU memory (empty on CPUs): for the start-up log and benchmarks."""
-        learner = self.learner.call.remote("memory")
-        engines = [e.memory.remote() for e in self.engines]
-        out = {"learner": ray.get(learner)}
-        out.update({f"engine_{i}": m for i, m in enumerate(ray.get(engines))})
-        return out
-
     # 6. sync
     def sync_adapter(self) -> int:
         payload = self.learner.call.remote("adapter_payload")  # resolved once in the object store

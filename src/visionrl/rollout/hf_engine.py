@@ -13,7 +13,6 @@ import torch
 
 from visionrl import faults
 from visionrl.config import LoraConfig
-from visionrl.gpu_memory import device_memory
 from visionrl.models.loader import apply_lora, load_base_model, load_processor
 from visionrl.rollout.probe import largest_first_token_change
 from visionrl.types import (
@@ -170,9 +169,6 @@ class HFEngine:
 
     def wake_up(self) -> None:
         """See `sleep`."""
-
-    def memory(self) -> dict[str, float]:
-        return device_memory()
 
     def close(self) -> None:
         self.model = None

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from visionrl import faults
-from visionrl.gpu_memory import device_memory
 from visionrl.rollout.probe import largest_first_token_change
 from visionrl.rollout.vllm_platform import cpu_only, set_cpu_env, vllm_max_lora_rank
 from visionrl.types import AdapterPayload, Completion, PromptItem, SamplingSpec
@@ -177,9 +176,6 @@ class VLLMEngine:
             self._asleep = False
             self._llm.llm_engine.reset_encoder_cache()  # the caches' contents went with the KV memory
             self._llm.reset_prefix_cache()
-
-    def memory(self) -> dict[str, float]:
-        return device_memory()
 
     def generate(self, prompts: list[PromptItem], spec: SamplingSpec) -> list[list[Completion]]:
         self.wake_up()  # a caller that forgot to wake the engine gets a working one, not an error

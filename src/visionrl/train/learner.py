@@ -27,7 +27,6 @@ import torch
 from visionrl import metrics as tags
 from visionrl.algo import aggregate, kl_penalty, masked_mean, policy_loss, rollout_correction
 from visionrl.config import JobConfig
-from visionrl.gpu_memory import device_memory
 from visionrl.models.loader import (
     apply_lora,
     load_base_model,
@@ -354,9 +353,6 @@ class Learner:
         self.optimizer.step()
         self.scheduler.step()
         return out
-
-    def memory(self) -> dict[str, float]:
-        return device_memory()
 
     # ------------------------------------------------------------------ adapter out
     def save_adapter(self, path: str | Path) -> Path:
