@@ -14,8 +14,14 @@ Reported per size (benchmarks/results/gpu_grpo_step.json, and a table):
 - rollout_generated_tokens_per_s; weights_gib; peak GPU memory of the learner and the engine processes and of
   the whole device (sampled with nvidia-smi every 0.5 s).
 
+TRL's GRPOTrainer on the same checkpoint, data and sizes (`--trl 64x8x512`; benchmarks/trl_grpo_step.py says what
+is matched) runs after visionrl in its own process; its figures land in `trl` and, per size, in visionrl's row
+(`trl_step_s`, `trl_tokens_per_s_per_gpu`, `trl_learner_tokens_per_s`, `trl_peak_mem_gib` and the ratios).
+
 On a CUDA machine with vLLM and Ray, from the repository root:
-    PYTHONPATH=src python benchmarks/gpu_grpo_step.py [--sizes 64x8x512,16x8x256] [--steps 3] [key=value ...]
+    PYTHONPATH=src python benchmarks/gpu_grpo_step.py [--sizes 64x8x512,16x8x256] [--steps 3] [--trl 64x8x512]
+        [--work DIR] [--merge] [key=value ...]
+(`--work` keeps the checkpoint and data for a later call; `--merge` keeps the other rows of the results file.)
 On the CPU (a smoke run of the same code with small shapes and the CPU vLLM):  ... --smoke
 """
 
@@ -56,9 +62,12 @@ class GpuMemorySampler:
         self._thread.join()
 
     def _query(self, *args: str) -> list[list[str]]:
-        out = subprocess.run(
-            ["nvidia-smi", *args, "--format=csv,noheader,nounits"], capture_output=True, text=True
-        )
+        try:
+            out = subprocess.run(
+                ["nvidia-smi", *args, "--format=csv,noheader,nounits"], capture_output=True, text=True
+            )
+        except OSError:  # no NVIDIA driver (the CPU smoke run)
+            return []
         return [[c.strip() for c in line.split(",")] for line in out.stdout.splitlines() if line.strip()]
 
     def _run(self) -> None:
@@ -117,6 +126,7 @@ def overrides_for(size: str, model: Path, data: Path, run: Path, steps: int, smo
             "rollout.gpus_per_engine=0",
             "ray.learner_gpus=0",
             "model.gradient_checkpointing=false",
+            "algorithm.overlong_buffer=null",
         ]
     return over
 
@@ -177,32 +187,33 @@ def main() -> None:
     p.add_argument(
         "--merge", action="store_true", help="keep the other sizes rows of an earlier results file"
     )
+    p.add_argument("--trl", default="", help="sizes to run TRL's GRPOTrainer on too (trl_grpo_step.py)")
+    p.add_argument("--trl-steps", type=int, default=2)
+    p.add_argument("--work", default="", help="keep the checkpoint and data here (reused by a later call)")
     p.add_argument("overrides", nargs="*", help="extra key=value overrides of the job file, for every size")
     args = p.parse_args()
-    from visionrl.config import load_config
-    from visionrl.data.synthetic import make_dataset
-    from visionrl.orchestrate.loop import train
-
     logging_setup()
-    results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        model, data = Path(tmp) / "qwen3vl-8b-shaped", Path(tmp) / "count448"
-        build_s = build_model(model, args.smoke)
-        make_dataset(data, "count", num_train=512, num_eval=0, seed=0, image_size=64 if args.smoke else 448)
-        cfg0 = json.loads((model / "config.json").read_text())
+        work = Path(args.work or tmp)
+        model, data = work / "qwen3vl-8b-shaped", work / "count448"
+        build_s = 0.0 if (model / "config.json").exists() else build_model(model, args.smoke)
+        if not (data / "train.jsonl").exists():
+            from visionrl.data.synthetic import make_dataset
+
+            make_dataset(
+                data, "count", num_train=512, num_eval=0, seed=0, image_size=64 if args.smoke else 448
+            )
         params = _param_count(model)
-        for size in args.sizes.split(","):
-            over = overrides_for(size, model, data, Path(tmp) / f"run-{size}", args.steps, args.smoke)
-            cfg = load_config(JOB, over + list(args.overrides))
-            with GpuMemorySampler() as memory:
-                t = time.perf_counter()
-                result = train(cfg)
-                wall = time.perf_counter() - t
-            row = measure(size, result.history, params, memory)
-            row["wall_s_including_start"] = wall
-            row["overrides"] = list(args.overrides)
-            results.append(row)
-            print(json.dumps(row), flush=True)
+        results = [
+            run_visionrl(
+                size, model, data, work / f"run-{size}", args.steps, args.smoke, params, args.overrides
+            )
+            for size in filter(None, args.sizes.split(","))
+        ]
+        trl_rows = [
+            run_trl(size, model, data, work, args.trl_steps) for size in filter(None, args.trl.split(","))
+        ]
+        cfg0 = json.loads((model / "config.json").read_text())
     report = {
         "benchmark": "gpu_grpo_step",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -218,7 +229,7 @@ def main() -> None:
             "placement": "colocated, one GPU",
         },
         "results": results,
-        "trl": {"status": "not measured in this file yet (benchmarks/NOTES-gpu-learner.md)"},
+        "trl": trl_rows,
     }
     if args.smoke:
         print(json.dumps(report, indent=1)[:600])
@@ -226,11 +237,63 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "gpu_grpo_step.json"
-    if args.merge and path.exists():  # several calls on one machine, one file: other sizes' rows are kept
-        sizes = {r["size"] for r in results}
-        results = [r for r in json.loads(path.read_text())["results"] if r["size"] not in sizes] + results
-        report["results"] = results
+    if args.merge and path.exists():  # several calls on one machine, one file: other rows are kept
+        merge(report, json.loads(path.read_text()))
+    attach_trl(report)
     path.write_text(json.dumps(report, indent=2) + "\n")
+    print_table(report["results"])
+
+
+def run_visionrl(
+    size: str, model: Path, data: Path, run: Path, steps: int, smoke: bool, params: float, extra: list[str]
+) -> dict[str, Any]:
+    from visionrl.config import load_config
+    from visionrl.orchestrate.loop import train
+
+    cfg = load_config(JOB, overrides_for(size, model, data, run, steps, smoke) + list(extra))
+    with GpuMemorySampler() as memory:
+        t = time.perf_counter()
+        result = train(cfg)
+        wall = time.perf_counter() - t
+    row = measure(size, result.history, params, memory)
+    row["wall_s_including_start"] = wall
+    row["overrides"] = list(extra)
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def run_trl(size: str, model: Path, data: Path, work: Path, steps: int) -> dict[str, Any]:
+    """TRL in its own process: a clean GPU, and its vLLM engine never meets visionrl's."""
+    out = work / f"trl-{size}.json"
+    script = Path(__file__).resolve().parent / "trl_grpo_step.py"
+    cmd = [sys.executable, str(script), "--model", str(model), "--data", str(data), "--size", size]
+    proc = subprocess.run([*cmd, "--steps", str(steps), "--json", str(out)])
+    if proc.returncode != 0 or not out.exists():
+        return {"size": size, "status": f"TRL run failed (exit {proc.returncode}); its output is in the log"}
+    return json.loads(out.read_text())
+
+
+def merge(report: dict[str, Any], earlier: dict[str, Any]) -> None:
+    for key in ("results", "trl"):
+        sizes = {r["size"] for r in report[key]}
+        rows = earlier.get(key) if isinstance(earlier.get(key), list) else []
+        report[key] = [r for r in rows if r["size"] not in sizes] + report[key]
+
+
+def attach_trl(report: dict[str, Any]) -> None:
+    """Each of visionrl's rows gets TRL's figures of the same size and the ratios the targets are set in."""
+    trl = {r["size"]: r for r in report["trl"] if "trl_step_s" in r}
+    for row in report["results"]:
+        peer = trl.get(row["size"])
+        if peer is None:
+            continue
+        for key in ("trl_step_s", "trl_tokens_per_s_per_gpu", "trl_learner_tokens_per_s", "trl_peak_mem_gib"):
+            row[key] = peer[key]
+        row["learner_tokens_per_s_vs_trl"] = row["learner_tokens_per_s"] / peer["trl_learner_tokens_per_s"]
+        row["step_speedup_vs_trl"] = peer["trl_step_s"] / row["step_s"]
+
+
+def print_table(results: list[dict[str, Any]]) -> None:
     cols = [
         "step_s",
         "rollout_s",
@@ -241,10 +304,12 @@ def main() -> None:
         "learner_tokens_per_s",
         "learner_mfu",
         "rollout_generated_tokens_per_s",
+        "trl_step_s",
+        "trl_learner_tokens_per_s",
     ]
     print(f"\n{'size':<12}" + "".join(f"{c[:14]:>15}" for c in cols))
     for r in results:
-        print(f"{r['size']:<12}" + "".join(f"{r[c]:>15.3g}" for c in cols))
+        print(f"{r['size']:<12}" + "".join(f"{r.get(c, float('nan')):>15.3g}" for c in cols))
         print(f"{'':<12}peak GiB: {r['peak_mem_gib']}")
 
 

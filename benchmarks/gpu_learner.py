@@ -194,7 +194,16 @@ def main() -> None:
         help="write the job-file overrides of the fastest variant whose peak fits --memory-budget-gib here",
     )
     p.add_argument("--memory-budget-gib", type=float, default=76.0, help="the learner's share when colocated")
+    p.add_argument(
+        "--layout-only",
+        action="store_true",
+        help="only the no-recompute settings on equal and spread completion lengths; adds their rows to the "
+        "results file as `layout` (the rows' layout: all padding at the end, no attention mask)",
+    )
     args = p.parse_args()
+    if args.layout_only:
+        layout_rows(args)
+        return
     from visionrl.models.shaped import build_shaped_checkpoint
     from visionrl.train.learner import Learner
 
@@ -277,6 +286,47 @@ def main() -> None:
         )
     print("best within budget:", result["best_within_budget"])
     print(json.dumps(vision))
+
+
+def layout_rows(args: argparse.Namespace) -> None:
+    from visionrl.models.shaped import build_shaped_checkpoint
+    from visionrl.train.learner import Learner
+
+    device = "cpu" if args.smoke else "cuda"
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = build_shaped_checkpoint(
+            Path(tmp) / "m",
+            device=device,
+            dtype="float32" if args.smoke else "bfloat16",
+            text=SMOKE_TEXT if args.smoke else None,
+            vision=SMOKE_VISION if args.smoke else None,
+        )
+        learner = Learner(job(model_dir, args), device=device)
+        equal, spread = make_batch(learner, args, spread=False), make_batch(learner, args, spread=True)
+        configure(learner, VARIANTS[0])
+        learner.train_step(equal)  # warm-up
+        for v in VARIANTS[5:7]:
+            configure(learner, v)
+            for name, batch in (("equal lengths", equal), ("lengths spread over [T/8, T]", spread)):
+                try:
+                    r = timed_step(learner, batch)
+                except torch.OutOfMemoryError:
+                    r = {"error": "out of memory"}
+                rows.append({"variant": f"{v['name'].strip()}, {name}", **r})
+                print(json.dumps(rows[-1]), flush=True)
+    if args.smoke:
+        return
+    path = Path(args.out) / "gpu_learner.json"
+    result = json.loads(path.read_text()) if path.exists() else {}
+    result["layout"] = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "what": "rows [prompt | completion | pad], no attention mask (train.batching); "
+        "no-grad passes at 4 x micro_batch_tokens",
+        "rows": rows,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

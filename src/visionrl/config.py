@@ -226,6 +226,12 @@ class TrainConfig(_Section):
     micro_batch_tokens: int = Field(
         8192, ge=64, description="Token budget of one learner micro-batch (gradient accumulation above it)."
     )
+    logprob_batch_tokens: int | None = Field(
+        None,
+        ge=64,
+        description="Token budget of one micro-batch of the no-gradient passes (old and reference log-probs): "
+        "they keep no activations, so larger batches fit; null: 4 x micro_batch_tokens.",
+    )
     logit_chunk_tokens: int = Field(
         2048,
         ge=0,

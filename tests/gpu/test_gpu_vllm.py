@@ -60,11 +60,20 @@ def _job(model: Path, data: Path, out: Path, **over: dict) -> dict:
     return raw
 
 
-def test_colocated_loop_with_vllm_at_8b_shape(model_8b: Path, count_data: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("sleep", [False, True], ids=["awake", "sleep_during_update"])
+def test_colocated_loop_with_vllm_at_8b_shape(
+    model_8b: Path, count_data: Path, tmp_path: Path, sleep: bool
+) -> None:
+    """The loop through Ray with vLLM's multiprocess engine core: the start-up delivery probe, the per-step reseed
+    (a worker-extension RPC across vLLM's process boundary), sync, and with sleep mode the engine's weights
+    offloaded during each update and back for the next rollout."""
     from visionrl.orchestrate.loop import train
 
-    result = train(config_from_dict(_job(model_8b, count_data, tmp_path / "run")))
+    job = _job(model_8b, count_data, tmp_path / "run", rollout={"sleep_during_update": sleep})
+    result = train(config_from_dict(job))
     assert [h["rollout/adapter_version"] for h in result.history] == [0.0, 1.0]
+    if sleep:
+        assert all(h["timing/engine_sleep_s"] > 0 and h["timing/engine_wake_s"] > 0 for h in result.history)
     # the engine sampled with the adapter the learner computed the same tokens with (bf16)
     assert all(h["rollout/logprob_diff"] < 0.05 for h in result.history), result.history
     assert all(h["learner/peak_mem_gib"] > 17 for h in result.history)  # the 8B weights alone are 16.6 GiB
@@ -113,6 +122,14 @@ def test_learner_and_engine_agree_after_syncing_a_nonzero_adapter(model_8b: Path
     off = (base_lp - engine_lp).abs().mean().item()
     assert same < 0.05, (same, off)
     assert off > 10 * same, (same, off)
+    # Sampling noise through the engine seed (no per-request seeds): the same prompt twice in one batch draws
+    # different samples, the step's seed reproduces them, another seed does not.
+    spec = SamplingSpec(n=4, temperature=1.0, max_tokens=16, seed=123)
+    ids = lambda groups: [[c.token_ids for c in g] for g in groups]  # noqa: E731
+    first = ids(engine.generate([prompts[0], prompts[0]], spec))
+    assert first[0] != first[1] and len({tuple(t) for t in first[0] + first[1]}) > 4
+    assert ids(engine.generate([prompts[0], prompts[0]], spec)) == first
+    assert ids(engine.generate([prompts[0], prompts[0]], SamplingSpec(n=4, max_tokens=16, seed=124))) != first
     engine.close()
 
 

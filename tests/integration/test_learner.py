@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 
 from visionrl.config import JobConfig, config_from_dict
 from visionrl.data import load_dataset
@@ -86,9 +88,14 @@ def test_micro_batches_give_the_gradient_of_one_batch(tiny_model: Path, color_da
 
 
 def test_logprobs_do_not_depend_on_padding_or_batch_company(tiny_model: Path, color_data: Path) -> None:
-    """Left/right padding and M-RoPE from the attention mask: a sequence's log-probs are the same alone or batched."""
+    """Rows padded at the end and run without a mask (train.batching): a sequence's log-probs are the same alone
+    or batched with longer prompts and completions; M-RoPE positions of real tokens do not move."""
     learner = Learner(_cfg(tiny_model, color_data), device="cpu")
     batch = _batch(learner, color_data)
+    # prompt 2 gets a 128x96 image (24 image tokens instead of 4): prompts of two lengths in one micro-batch
+    big = dataclasses.replace(batch.prompts[2], images=[Image.new("RGB", (128, 96), (10, 200, 10))])
+    batch = TrainBatch([*batch.prompts[:2], big], batch.sequences)
+    assert len({len(e.input_ids) for e in learner.encode_prompts(batch.prompts)}) == 2
     together = learner.logprobs(batch)
     for i, seq in enumerate(batch.sequences):
         alone = learner.logprobs(TrainBatch(batch.prompts, [seq]))[0]

@@ -33,7 +33,7 @@ def test_completion_stats_by_hand(chunk: int) -> None:
         _identity_head(3).double(),
         ids,
         mask,
-        2,
+        torch.tensor([2, 2]),
         temperature=1.0,
         forbidden=torch.tensor([]),
         chunk_tokens=chunk,
@@ -58,7 +58,14 @@ def test_completion_stats_temperature_and_gradient_through_chunks() -> None:
     grads, values = [], []
     for chunk in (0, 2):
         lp, _ = completion_stats(
-            hidden, head, ids, mask, 3, temperature=0.5, forbidden=forbidden, chunk_tokens=chunk
+            hidden,
+            head,
+            ids,
+            mask,
+            torch.tensor([3, 3, 3]),
+            temperature=0.5,
+            forbidden=forbidden,
+            chunk_tokens=chunk,
         )
         (g,) = torch.autograd.grad(lp.sum(), hidden)
         grads.append(g)

@@ -101,8 +101,9 @@ def pretrain_tiny(
             pixel_values=mb.pixel_values,
             image_grid_thw=mb.image_grid_thw,
             use_cache=False,
-            logits_to_keep=torch.arange(mb.prompt_len - 1, mb.prompt_len - 1 + T),
         ).logits.float()
+        at = (mb.starts.unsqueeze(1) - 1 + torch.arange(T)).clamp(0, logits.shape[1] - 1)  # [B, T]
+        logits = logits.gather(1, at.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
         nll = torch.nn.functional.cross_entropy(
             logits.reshape(-1, logits.shape[-1]), mb.completion_ids.reshape(-1), reduction="none"
         ).reshape(mb.completion_ids.shape)

@@ -1,9 +1,11 @@
 """Turn prompts + completions into padded learner micro-batches under a token budget.
 
-Layout of one micro-batch row: `[left pad | prompt | completion | right pad]`. Prompts are left-padded to the
-longest prompt P and completions right-padded to the longest completion T, so every completion token sits
-in the same column range [P, P+T) and its logit is at [P-1, P+T-1): the model computes logits only there.
-Qwen3-VL derives its M-RoPE positions from the attention mask, so padding does not move any token.
+Layout of one micro-batch row: `[prompt | completion | pad]`, all padding at the end. Under causal attention a
+real token attends only to earlier positions, which are all real, so the learner runs the model without an
+attention mask: outputs at real positions are exact, M-RoPE positions of real tokens are unchanged, and
+attention keeps its fused causal kernel (a padding mask sends SDPA to a slower path; completions of spread
+lengths made that 2.5x slower, docs/ENGINE_NOTES.md). Row b's completion starts at column `starts[b]`; the
+logit of its token t sits at `starts[b] - 1 + t`.
 The completions of one group share their prompt's images: with `share_images` each distinct prompt's pixels
 are sent once and `image_share` tells the vision tower hooks (`train.forward`) how to hand out the copies.
 """
@@ -16,8 +18,7 @@ import torch
 
 from visionrl.train.forward import ImageShare, share_plan
 
-# Micro-batch rows are padded to a multiple of this many positions: with a padding mask, SDPA's fused kernels
-# want the mask's last dimension aligned; an unaligned one can send attention to a slower path.
+# Micro-batch rows are padded to a multiple of this many positions (aligned shapes for the attention kernels).
 SEQ_MULTIPLE = 16
 
 
@@ -43,16 +44,16 @@ class Sequence:
 
 @dataclass
 class MicroBatch:
-    input_ids: torch.Tensor  # [B, P+T]
-    attention_mask: torch.Tensor  # [B, P+T]
-    mm_token_type_ids: torch.Tensor  # [B, P+T]
+    input_ids: torch.Tensor  # [B, L]
+    attention_mask: torch.Tensor  # [B, L]: 1 on real tokens (all padding is at the end of a row)
+    mm_token_type_ids: torch.Tensor  # [B, L]
     pixel_values: torch.Tensor | None
     image_grid_thw: torch.Tensor | None
     completion_ids: torch.Tensor  # [B, T]
     completion_mask: torch.Tensor  # [B, T] float
     advantages: torch.Tensor  # [B]
     sampling_logprobs: torch.Tensor  # [B, T]
-    prompt_len: int  # P
+    starts: torch.Tensor  # [B] long: the column of each row's first completion token (its prompt length)
     rows: list[int]  # indices of the sequences in the caller's list
     num_tokens: int  # real completion tokens (the mask's sum)
     sequence_tokens: int  # real prompt (image tokens included) + completion tokens
@@ -60,7 +61,7 @@ class MicroBatch:
 
 
 def plan_micro_batches(lengths: list[tuple[int, int]], token_budget: int) -> list[list[int]]:
-    """Group sequence indices so each group's padded size (rows x (max prompt + max completion)) fits the budget.
+    """Group sequence indices so each group's padded size (rows x longest prompt + completion) fits the budget.
 
     `lengths[i] = (prompt_len, completion_len)`. Sequences are taken longest first so similar lengths share a
     micro-batch (less padding). A sequence longer than the budget gets a micro-batch of its own.
@@ -68,15 +69,14 @@ def plan_micro_batches(lengths: list[tuple[int, int]], token_budget: int) -> lis
     order = sorted(range(len(lengths)), key=lambda i: -(lengths[i][0] + lengths[i][1]))
     groups: list[list[int]] = []
     current: list[int] = []
-    max_p = max_t = 0
+    longest = 0
     for i in order:
-        p, t = lengths[i]
-        new_p, new_t = max(max_p, p), max(max_t, t)
-        if current and (len(current) + 1) * (new_p + new_t) > token_budget:
+        n = lengths[i][0] + lengths[i][1]
+        if current and (len(current) + 1) * max(longest, n) > token_budget:
             groups.append(current)
-            current, new_p, new_t = [], p, t
+            current, longest = [], 0
         current.append(i)
-        max_p, max_t = new_p, new_t
+        longest = max(longest, n)
     if current:
         groups.append(current)
     return groups
@@ -93,13 +93,14 @@ def collate(
 ) -> MicroBatch:
     """Pad the sequences `rows` into one MicroBatch (layout in the module docstring)."""
     chosen = [seqs[r] for r in rows]
-    P = max(len(prompts[s.prompt].input_ids) for s in chosen)
     T = max(max(len(s.completion_ids), 1) for s in chosen)
-    T += (-(P + T)) % SEQ_MULTIPLE  # a row length the attention kernels take without re-padding the mask
+    L = max(len(prompts[s.prompt].input_ids) + max(len(s.completion_ids), 1) for s in chosen)
+    L += (-L) % SEQ_MULTIPLE
     B = len(chosen)
-    input_ids = torch.full((B, P + T), pad_id, dtype=torch.long)
-    attention = torch.zeros((B, P + T), dtype=torch.long)
-    mm_types = torch.zeros((B, P + T), dtype=torch.long)
+    input_ids = torch.full((B, L), pad_id, dtype=torch.long)
+    attention = torch.zeros((B, L), dtype=torch.long)
+    mm_types = torch.zeros((B, L), dtype=torch.long)
+    starts = torch.zeros(B, dtype=torch.long)
     comp = torch.full((B, T), pad_id, dtype=torch.long)
     comp_mask = torch.zeros((B, T))
     samp = torch.zeros((B, T))
@@ -110,12 +111,13 @@ def collate(
     for b, s in enumerate(chosen):
         ep = prompts[s.prompt]
         n, k = len(ep.input_ids), len(s.completion_ids)
-        input_ids[b, P - n : P] = ep.input_ids
-        mm_types[b, P - n : P] = ep.mm_token_type_ids
-        attention[b, P - n : P + k] = 1
+        input_ids[b, :n] = ep.input_ids
+        mm_types[b, :n] = ep.mm_token_type_ids
+        attention[b, : n + k] = 1
+        starts[b] = n
         if k:
             ids = torch.tensor(s.completion_ids, dtype=torch.long)
-            input_ids[b, P : P + k] = ids
+            input_ids[b, n : n + k] = ids
             comp[b, :k] = ids
             comp_mask[b, :k] = 1.0
             samp[b, :k] = torch.tensor(s.sampling_logprobs[:k], dtype=torch.float32)
@@ -140,7 +142,7 @@ def collate(
         completion_mask=comp_mask,
         advantages=torch.tensor([s.advantage for s in chosen], dtype=torch.float32),
         sampling_logprobs=samp,
-        prompt_len=P,
+        starts=starts,
         rows=list(rows),
         num_tokens=int(comp_mask.sum()),
         sequence_tokens=int(attention.sum()),

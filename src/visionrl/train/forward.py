@@ -98,7 +98,7 @@ def completion_stats(
     lm_head: torch.nn.Module,
     completion_ids: torch.Tensor,
     mask: torch.Tensor,
-    prompt_len: int,
+    starts: torch.Tensor,
     *,
     temperature: float,
     forbidden: torch.Tensor,
@@ -106,13 +106,17 @@ def completion_stats(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs and entropies [B, T] of the completion tokens (0 where `mask` is 0).
 
-    `hidden` [B, P+T, D] are the final hidden states of the micro-batch laid out as in `train.batching`: the
-    logit of completion token t sits at position P-1+t. Padding positions are never sent through `lm_head`.
+    `hidden` [B, L, D] are the final hidden states of the micro-batch laid out as in `train.batching`: the
+    logit of row b's completion token t sits at position starts[b]-1+t. Padding is never sent through `lm_head`.
     """
     B, T = completion_ids.shape
-    h = hidden[:, prompt_len - 1 : prompt_len - 1 + T]
+    L = hidden.shape[1]
     flat = mask.reshape(-1).nonzero().squeeze(-1)
-    h = h.reshape(B * T, -1).index_select(0, flat)
+    rows = torch.arange(B, device=hidden.device).unsqueeze(1)
+    positions = (starts.to(hidden.device).unsqueeze(1) - 1 + torch.arange(T, device=hidden.device)).clamp(
+        0, L - 1
+    )
+    h = hidden.reshape(B * L, -1).index_select(0, (rows * L + positions).reshape(-1).index_select(0, flat))
     ids = completion_ids.reshape(-1).index_select(0, flat)
     step = chunk_tokens if chunk_tokens > 0 else max(1, len(flat))
     lps, ents = [], []

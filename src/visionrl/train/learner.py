@@ -148,9 +148,10 @@ class Learner:
         """Log-probs and entropies [B, T] of the micro-batch's completion tokens under the sampling distribution
         (0 at padding); with autograd when grad is enabled (`train.forward` keeps the logits in chunks)."""
         dev = self.device
+        # No attention mask: every row's padding is at its end, so causal attention alone is exact at the real
+        # tokens and keeps SDPA on its fused causal kernel (train.batching).
         kwargs: dict[str, Any] = {
             "input_ids": mb.input_ids.to(dev),
-            "attention_mask": mb.attention_mask.to(dev),
             "mm_token_type_ids": mb.mm_token_type_ids.to(dev),
             "use_cache": False,
         }
@@ -165,7 +166,7 @@ class Learner:
             inner.lm_head,
             mb.completion_ids.to(dev),
             mb.completion_mask.to(dev),
-            mb.prompt_len,
+            mb.starts,
             temperature=self.cfg.rollout.temperature,
             forbidden=self.forbidden.to(dev),
             chunk_tokens=self.cfg.train.logit_chunk_tokens,
@@ -178,11 +179,11 @@ class Learner:
         return [store[row][: len(seq.completion_ids)].tolist() for row, seq in enumerate(seqs)]
 
     def _micro_batches(
-        self, encoded: list[EncodedPrompt], seqs: list[Sequence], rows: Any
+        self, encoded: list[EncodedPrompt], seqs: list[Sequence], rows: Any, budget: int | None = None
     ) -> list[MicroBatch]:
         rows = list(rows)
         lengths = [(len(encoded[seqs[r].prompt].input_ids), len(seqs[r].completion_ids)) for r in rows]
-        plan = plan_micro_batches(lengths, self.cfg.train.micro_batch_tokens)
+        plan = plan_micro_batches(lengths, budget or self.cfg.train.micro_batch_tokens)
         share, merge = self.cfg.train.share_images, self._merge_size
         return [
             collate(encoded, seqs, [rows[i] for i in g], self.pad_id, share_images=share, merge_size=merge)
@@ -230,6 +231,8 @@ class Learner:
         totals[tags.LEARNER_REF_LOGPROB_S] = t3 - t2
         if self.device.type == "cuda":
             totals[tags.LEARNER_PEAK_MEM] = torch.cuda.max_memory_reserved(self.device) / 2**30
+            if self.cfg.rollout.sleep_during_update:  # the waking engine needs the memory this update cached
+                torch.cuda.empty_cache()
         totals["update_s"] = time.perf_counter() - t0
         totals["adapter_version"] = float(self.version)
         return totals
@@ -242,7 +245,11 @@ class Learner:
         the reference model."""
         self.model.eval()
         out: dict[int, torch.Tensor] = {}
-        for mb in self._micro_batches(encoded, seqs, rows):
+        train = self.cfg.train
+        budget = (
+            train.logprob_batch_tokens or 4 * train.micro_batch_tokens
+        )  # no activations kept: larger fits
+        for mb in self._micro_batches(encoded, seqs, rows, budget):
             with contextlib.nullcontext() if adapter else self.model.disable_adapter():
                 lp, _ = self._stats(mb)
             lp = lp.cpu()
