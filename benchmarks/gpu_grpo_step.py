@@ -189,6 +189,7 @@ def main() -> None:
     )
     p.add_argument("--trl", default="", help="sizes to run TRL's GRPOTrainer on too (trl_grpo_step.py)")
     p.add_argument("--trl-steps", type=int, default=2)
+    p.add_argument("--trl-hf-generation", action="store_true", help="TRL without vLLM (its slower mode)")
     p.add_argument("--work", default="", help="keep the checkpoint and data here (reused by a later call)")
     p.add_argument("overrides", nargs="*", help="extra key=value overrides of the job file, for every size")
     args = p.parse_args()
@@ -211,7 +212,8 @@ def main() -> None:
             for size in filter(None, args.sizes.split(","))
         ]
         trl_rows = [
-            run_trl(size, model, data, work, args.trl_steps) for size in filter(None, args.trl.split(","))
+            run_trl(size, model, data, work, args.trl_steps, args.trl_hf_generation, args.smoke)
+            for size in filter(None, args.trl.split(","))
         ]
         cfg0 = json.loads((model / "config.json").read_text())
     report = {
@@ -262,12 +264,16 @@ def run_visionrl(
     return row
 
 
-def run_trl(size: str, model: Path, data: Path, work: Path, steps: int) -> dict[str, Any]:
+def run_trl(
+    size: str, model: Path, data: Path, work: Path, steps: int, hf: bool, smoke: bool
+) -> dict[str, Any]:
     """TRL in its own process: a clean GPU, and its vLLM engine never meets visionrl's."""
     out = work / f"trl-{size}.json"
     script = Path(__file__).resolve().parent / "trl_grpo_step.py"
     cmd = [sys.executable, str(script), "--model", str(model), "--data", str(data), "--size", size]
-    proc = subprocess.run([*cmd, "--steps", str(steps), "--json", str(out)])
+    proc = subprocess.run(
+        [*cmd, "--steps", str(steps), "--json", str(out), *(["--hf-generation"] if hf else [])]
+    )
     if proc.returncode != 0 or not out.exists():
         return {"size": size, "status": f"TRL run failed (exit {proc.returncode}); its output is in the log"}
     return json.loads(out.read_text())

@@ -322,7 +322,7 @@ def layout_rows(args: argparse.Namespace) -> None:
     result["layout"] = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "what": "rows [prompt | completion | pad], no attention mask (train.batching); "
-        "no-grad passes at 4 x micro_batch_tokens",
+        "no-grad passes at max(16384, micro_batch_tokens) tokens",
         "rows": rows,
     }
     path.parent.mkdir(parents=True, exist_ok=True)

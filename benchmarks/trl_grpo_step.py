@@ -77,7 +77,13 @@ class Timers:
 
 
 def run(
-    model: Path, data: Path, size: str, steps: int, checkpointing: bool, smoke: bool = False
+    model: Path,
+    data: Path,
+    size: str,
+    steps: int,
+    checkpointing: bool,
+    smoke: bool = False,
+    vllm: bool = True,
 ) -> dict[str, Any]:
     import torch
     import trl
@@ -87,7 +93,7 @@ def run(
     from trl import GRPOConfig, GRPOTrainer
 
     from visionrl.config import load_config
-    from visionrl.models.loader import lora_target_regex
+    from visionrl.models.loader import load_processor, lora_target_regex, vision_token_ids
     from visionrl.rewards.builtin import format_reward, numeric
 
     prompts, group, tokens = (int(x) for x in size.split("x"))
@@ -96,6 +102,13 @@ def run(
     micro = min(
         8, prompts * group // updates
     )  # completions per micro-batch (about 6k tokens at 512 new tokens)
+    # Vision tokens are never sampled, as in visionrl's engines: a sampled <|image_pad|> makes the training
+    # forward fail ("Image features and image tokens do not match"; TRL died so at 64 x 8 x 512 without this).
+    from transformers import AutoConfig
+
+    banned = vision_token_ids(AutoConfig.from_pretrained(model), load_processor(model))
+    use_vllm = vllm and not smoke  # the CPU smoke run checks the script with TRL's transformers generation
+    gen = {"logit_bias": {i: -100.0 for i in banned}} if use_vllm else {"suppress_tokens": banned}
     dataset = Dataset.from_list(trl_records(data, prompts * (steps + 1), cfg.data.system_prompt))
 
     def text(c: Any) -> str:  # TRL passes conversational completions as message lists
@@ -130,7 +143,8 @@ def run(
         loss_type="dapo",
         reward_weights=[r.weight for r in cfg.rewards],
         temperature=cfg.rollout.temperature,
-        use_vllm=not smoke,  # the CPU smoke run checks the script with TRL's transformers generation
+        use_vllm=use_vllm,
+        generation_kwargs=gen,
         vllm_mode="colocate",
         vllm_gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
         vllm_max_model_length=cfg.rollout.max_model_len,
@@ -156,7 +170,7 @@ def run(
     )
     init_s = time.perf_counter() - t0
     timers = Timers()
-    if not smoke:
+    if args.use_vllm:
         timers.wrap(trainer.vllm_generation, "generate", "generate_s")
         timers.wrap(trainer.vllm_generation, "sync_weights", "sync_s")
     cuda = torch.cuda.is_available()
@@ -232,12 +246,15 @@ def main() -> None:
     p.add_argument("--no-gradient-checkpointing", action="store_true")
     p.add_argument("--json", type=Path, required=True, help="where the row is written")
     p.add_argument("--smoke", action="store_true", help="CPU, float32, TRL's transformers generation")
+    p.add_argument("--hf-generation", action="store_true", help="TRL's transformers generation, not vLLM")
     a = p.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from gpu_grpo_step import GpuMemorySampler
 
     with GpuMemorySampler() as memory:
-        row = run(a.model, a.data, a.size, a.steps, not a.no_gradient_checkpointing, a.smoke)
+        row = run(
+            a.model, a.data, a.size, a.steps, not a.no_gradient_checkpointing, a.smoke, not a.hf_generation
+        )
     row["gradient_checkpointing"] = not a.no_gradient_checkpointing
     row["trl_peak_mem_gib"] = memory.device_peak
     row["trl_peak_mem_per_process_gib"] = {k: round(v, 2) for k, v in memory.per_process.items()}

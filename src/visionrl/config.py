@@ -230,7 +230,8 @@ class TrainConfig(_Section):
         None,
         ge=64,
         description="Token budget of one micro-batch of the no-gradient passes (old and reference log-probs): "
-        "they keep no activations, so larger batches fit; null: 4 x micro_batch_tokens.",
+        "they keep no activations, so larger batches fit; null: 16384 or micro_batch_tokens if larger "
+        "(benchmarks/NOTES-gpu-learner.md).",
     )
     logit_chunk_tokens: int = Field(
         2048,

@@ -20,6 +20,9 @@ from visionrl.train.forward import ImageShare, share_plan
 
 # Micro-batch rows are padded to a multiple of this many positions (aligned shapes for the attention kernels).
 SEQ_MULTIPLE = 16
+# Default token budget of the no-gradient passes (`train.logprob_batch_tokens`): no activations are kept, so they
+# take larger micro-batches than training; measured on the H200 in benchmarks/NOTES-gpu-learner.md.
+NO_GRAD_BATCH_TOKENS = 16384
 
 
 @dataclass

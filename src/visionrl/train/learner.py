@@ -34,7 +34,14 @@ from visionrl.models.loader import (
     lora_param_groups,
     vision_token_ids,
 )
-from visionrl.train.batching import EncodedPrompt, MicroBatch, Sequence, collate, plan_micro_batches
+from visionrl.train.batching import (
+    NO_GRAD_BATCH_TOKENS,
+    EncodedPrompt,
+    MicroBatch,
+    Sequence,
+    collate,
+    plan_micro_batches,
+)
 from visionrl.train.forward import SharedImages, completion_stats
 from visionrl.types import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterPayload, PromptItem
 
@@ -246,9 +253,8 @@ class Learner:
         self.model.eval()
         out: dict[int, torch.Tensor] = {}
         train = self.cfg.train
-        budget = (
-            train.logprob_batch_tokens or 4 * train.micro_batch_tokens
-        )  # no activations kept: larger fits
+        # No activations are kept, so larger batches fit; 16384 tokens measured faster than 4096 on the H200.
+        budget = train.logprob_batch_tokens or max(train.micro_batch_tokens, NO_GRAD_BATCH_TOKENS)
         for mb in self._micro_batches(encoded, seqs, rows, budget):
             with contextlib.nullcontext() if adapter else self.model.disable_adapter():
                 lp, _ = self._stats(mb)
