@@ -80,7 +80,8 @@ def test_micro_batches_give_the_gradient_of_one_batch(tiny_model: Path, color_da
         mbs = learner._micro_batches(encoded, batch.sequences, range(len(batch.sequences)))
         assert (len(mbs) == 1) == (budget == 100_000)
         learner.optimizer.step = lambda: None  # keep the weights; inspect the accumulated gradient
-        learner._update(encoded, batch.sequences, range(len(batch.sequences)), None, None)
+        rows = list(range(len(batch.sequences)))
+        learner._update(encoded, batch.sequences, rows, rows, None, None)
         grads[budget] = _grads(learner)
     assert grads[100_000].keys() == grads[64].keys() and len(grads[64]) > 0
     for name, g in grads[100_000].items():
@@ -188,7 +189,8 @@ def _accumulated_grads(learner: Learner, batch: TrainBatch) -> dict[str, torch.T
                 p.normal_(std=0.05, generator=torch.Generator().manual_seed(1))
     encoded = learner.encode_prompts(batch.prompts)
     learner.optimizer.step = lambda: None  # keep the weights; inspect the accumulated gradient
-    learner._update(encoded, batch.sequences, range(len(batch.sequences)), None, None)
+    rows = list(range(len(batch.sequences)))
+    learner._update(encoded, batch.sequences, rows, rows, None, None)
     return _grads(learner)
 
 

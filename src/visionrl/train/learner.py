@@ -43,6 +43,7 @@ from visionrl.train.batching import (
     plan_micro_batches,
 )
 from visionrl.train.forward import SharedImages, completion_stats
+from visionrl.train.ranks import RankGroup
 from visionrl.types import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterPayload, PromptItem
 
 
@@ -60,19 +61,22 @@ def _engine_mismatch(
     old: dict[int, torch.Tensor] | None,
     first_diff: float,
     first_tokens: float,
+    ranks: RankGroup,
 ) -> float:
     """Mean |learner - engine| log-prob per token over the whole batch, every term under the adapter version
     that sampled it: mini-batch 1 from its training forward (before the first update), the later ones from the
-    old-log-prob pass (also before any update). A drifted update must not pass for an engine mismatch."""
-    total, count = first_diff * first_tokens, first_tokens
+    old-log-prob pass (also before any update; `rows`: this rank's). A drifted update must not pass for an
+    engine mismatch."""
     if old is None:
         return first_diff
+    local = torch.zeros(2, dtype=torch.float64)
     for r in rows:
         k = len(seqs[r].completion_ids)
         if k:
             samp = torch.tensor(seqs[r].sampling_logprobs[:k], dtype=torch.float32)
-            total += float((old[r][:k] - samp).abs().sum())
-            count += k
+            local += torch.tensor([float((old[r][:k] - samp).abs().sum()), k], dtype=torch.float64)
+    total, count = ranks.sum_(local).tolist()
+    total, count = total + first_diff * first_tokens, count + first_tokens
     return total / count if count else 0.0
 
 
@@ -88,8 +92,9 @@ def lr_lambda(step: int, warmup: int, total: int, schedule: str, min_ratio: floa
 
 
 class Learner:
-    def __init__(self, cfg: JobConfig, device: str | None = None) -> None:
+    def __init__(self, cfg: JobConfig, device: str | None = None, ranks: RankGroup | None = None) -> None:
         self.cfg = cfg
+        self.ranks = ranks or RankGroup()  # data-parallel learner ranks (train.ranks); one by default
         if cfg.train.torch_threads:
             torch.set_num_threads(cfg.train.torch_threads)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -214,24 +219,28 @@ class Learner:
         minis = [[r for g in groups[u::n_updates] for r in g] for u in range(n_updates)]
         # Old log-probs only where the policy has moved: the first mini-batch is trained on-policy (old = the
         # detached current log-probs, ratio exactly 1); later ones need the log-probs from before any update.
+        # With several learner ranks each computes and trains on its shard of every mini-batch (train.ranks).
+        seqs = batch.sequences
+        lengths = [len(encoded[s.prompt].input_ids) + len(s.completion_ids) for s in seqs]
+        shards = [self.ranks.mine(rows, lengths) for rows in minis]
         t1 = time.perf_counter()
-        later = [r for rows in minis[1:] for r in rows]
-        old = self._precompute(encoded, batch.sequences, later, adapter=True) if later else None
+        later = [r for rows in shards[1:] for r in rows]
+        old = self._precompute(encoded, seqs, later, adapter=True) if len(minis) > 1 else None
         t2 = time.perf_counter()
         ref = None
         if algo.kl_coef > 0:
-            ref = self._precompute(encoded, batch.sequences, range(len(batch.sequences)), adapter=False)
+            ref = self._precompute(encoded, seqs, [r for rows in shards for r in rows], adapter=False)
         t3 = time.perf_counter()
         totals: dict[str, float] = {}
         first_diff, first_tokens = 0.0, 0.0
         for u, rows in enumerate(minis):
-            metrics = self._update(encoded, batch.sequences, rows, old if u > 0 else None, ref)
+            metrics = self._update(encoded, seqs, rows, shards[u], old if u > 0 else None, ref)
             if u == 0:  # measured before this step's first optimizer update, like the old log-probs
                 first_diff, first_tokens = metrics[tags.LOGPROB_DIFF], metrics[tags.LEARNER_TOKENS]
             for k, v in metrics.items():
                 totals[k] = totals.get(k, 0.0) + v / n_updates
         self.version += 1
-        totals[tags.LOGPROB_DIFF] = _engine_mismatch(batch.sequences, later, old, first_diff, first_tokens)
+        totals[tags.LOGPROB_DIFF] = _engine_mismatch(seqs, later, old, first_diff, first_tokens, self.ranks)
         totals[tags.LEARNER_TOKENS] *= n_updates  # a sum over the mini-batches, not a mean
         totals[tags.LEARNER_SEQUENCE_TOKENS] *= n_updates
         totals[tags.LEARNER_OLD_LOGPROB_S] = t2 - t1
@@ -294,20 +303,34 @@ class Learner:
         rows = [torch.nn.functional.pad(store[r][:T], (0, max(0, T - len(store[r])))) for r in mb.rows]
         return torch.stack(rows).to(self.device)
 
-    def _update(self, encoded, seqs, rows, old, ref) -> dict[str, float]:
-        """One optimizer step over the mini-batch `rows`, accumulated over its micro-batches."""
+    def _update(self, encoded, seqs, rows, mine, old, ref) -> dict[str, float]:
+        """One optimizer step over the mini-batch `rows` (this rank trains on `mine` of them), accumulated over
+        its micro-batches; the normalisers count the whole mini-batch, across ranks."""
         algo, cfg = self.cfg.algorithm, self.cfg
         self.model.train()
-        mbs = self._micro_batches(encoded, seqs, rows)
-        num_tokens = float(sum(mb.num_tokens for mb in mbs))
-        num_seqs = float(sum(int((mb.completion_mask.sum(1) > 0).sum()) for mb in mbs))
+        mbs = self._micro_batches(encoded, seqs, mine) if mine else []
+        num_tokens = float(sum(len(seqs[r].completion_ids) for r in rows))
+        num_seqs = float(sum(1 for r in rows if seqs[r].completion_ids))
         norms = {
             "num_tokens": num_tokens,
             "num_sequences": num_seqs,
             "norm_length": float(cfg.rollout.max_new_tokens),
         }
         # Metrics stay on the device until the end of the step: one host sync instead of several per micro-batch.
-        acc: dict[str, torch.Tensor] = {}
+        keys = [
+            tags.LOSS_POLICY,
+            tags.LOSS_KL,
+            tags.LOSS_TOTAL,
+            tags.CLIP_FRACTION,
+            tags.APPROX_KL,
+            tags.ENTROPY,
+        ]
+        keys += [tags.LOGPROB_DIFF, tags.LEARNER_MICRO_BATCHES]
+        if algo.rollout_correction != "off":
+            keys += [tags.CORRECTION_WEIGHT, tags.CORRECTION_CLIPPED, tags.MISMATCH_KL]
+        # Every rank holds the same keys, even one without sequences: they are summed over the ranks.
+        acc = {k: torch.zeros((), device=self.device) for k in keys}
+        acc[tags.LEARNER_MICRO_BATCHES] += len(mbs)
         self.optimizer.zero_grad(set_to_none=True)
         for mb in mbs:
             mask = mb.completion_mask.to(self.device)
@@ -352,17 +375,17 @@ class Learner:
                     tags.ENTROPY: masked_mean(entropy.detach(), mask) * w,
                     tags.LOGPROB_DIFF: masked_mean((lp.detach() - samp).abs(), mask) * w,
                 }.items():
-                    acc[k] = acc[k] + v if k in acc else v
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            [p for p in self.model.parameters() if p.requires_grad], cfg.train.max_grad_norm
-        )
-        acc[tags.GRAD_NORM] = grad_norm.detach()
-        names = list(acc)
-        out = dict(zip(names, torch.stack([acc[k].float() for k in names]).tolist(), strict=True))
+                    acc[k] = acc[k] + v
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.ranks.sum_grads(trainable)
+        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.train.max_grad_norm)
+        summed = self.ranks.sum_(torch.stack([acc[k].float() for k in keys]))
+        out = dict(zip(keys, summed.tolist(), strict=True))
+        out[tags.GRAD_NORM] = float(grad_norm)
         out[tags.LR] = float(self.scheduler.get_last_lr()[0])
-        out[tags.LEARNER_MICRO_BATCHES] = float(len(mbs))
         out[tags.LEARNER_TOKENS] = num_tokens
-        out[tags.LEARNER_SEQUENCE_TOKENS] = float(sum(mb.sequence_tokens for mb in mbs))
+        out[tags.LEARNER_SEQUENCE_TOKENS] = float(sum(len(encoded[seqs[r].prompt].input_ids) for r in rows))
+        out[tags.LEARNER_SEQUENCE_TOKENS] += num_tokens
         self.optimizer.step()
         self.scheduler.step()
         return out
