@@ -43,7 +43,14 @@ from visionrl.train.batching import (
     plan_micro_batches,
 )
 from visionrl.train.forward import SharedImages, completion_stats
-from visionrl.train.ranks import RankGroup
+from visionrl.train.ranks import (
+    RankGroup,
+    clip_grads,
+    full_optimizer_state,
+    full_tensor,
+    load_sharded_state,
+    shard_model,
+)
 from visionrl.types import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterPayload, PromptItem
 
 
@@ -103,6 +110,8 @@ class Learner:
         self.model = apply_lora(base, cfg.lora, seed=cfg.train.seed)
         if cfg.model.gradient_checkpointing:
             self._checkpoint_layers(cfg.model.checkpoint_layers)
+        if self.ranks.fsdp:
+            shard_model(base, self.device.type, self.ranks.world)
         self._shared = SharedImages(base.model.visual)
         self._merge_size = int(getattr(self.processor.image_processor, "merge_size", 2))
         self.forbidden = torch.tensor(vision_token_ids(base.config, self.processor), dtype=torch.long)
@@ -264,9 +273,14 @@ class Learner:
         train = self.cfg.train
         # No activations are kept, so larger batches fit; 16384 tokens measured faster than 4096 on the H200.
         budget = train.logprob_batch_tokens or max(train.micro_batch_tokens, NO_GRAD_BATCH_TOKENS)
-        for mb in self._micro_batches(encoded, seqs, rows, budget):
+        mbs = self._micro_batches(encoded, seqs, rows, budget) if rows else []
+        for _ in range(self.ranks.most(len(mbs)) - len(mbs) if self.ranks.fsdp else 0):
+            mbs.append(self._filler(encoded, seqs))  # FSDP: as many forwards as the busiest rank
+        for mb in mbs:
             with contextlib.nullcontext() if adapter else self.model.disable_adapter():
                 lp, _ = self._stats(mb)
+            if not mb.rows:  # a filler: nothing to keep
+                continue
             lp = lp.cpu()
             for b, row in enumerate(mb.rows):
                 out[row] = lp[b]
@@ -296,6 +310,12 @@ class Learner:
             tags.MISMATCH_KL: m["mismatch_kl"],
         }
 
+    def _filler(self, encoded: list[EncodedPrompt], seqs: list[Sequence]) -> MicroBatch:
+        """A micro-batch of one sequence that takes part in FSDP's collectives and in nothing else (`rows` empty)."""
+        mb = collate(encoded, seqs, [0], self.pad_id)
+        mb.rows = []
+        return mb
+
     def _gather(self, store: dict[int, torch.Tensor] | None, mb: MicroBatch) -> torch.Tensor | None:
         if store is None:
             return None
@@ -309,6 +329,8 @@ class Learner:
         algo, cfg = self.cfg.algorithm, self.cfg
         self.model.train()
         mbs = self._micro_batches(encoded, seqs, mine) if mine else []
+        for _ in range(self.ranks.most(len(mbs)) - len(mbs) if self.ranks.fsdp else 0):
+            mbs.append(self._filler(encoded, seqs))  # FSDP: as many forwards/backwards as the busiest rank
         num_tokens = float(sum(len(seqs[r].completion_ids) for r in rows))
         num_seqs = float(sum(1 for r in rows if seqs[r].completion_ids))
         norms = {
@@ -330,7 +352,7 @@ class Learner:
             keys += [tags.CORRECTION_WEIGHT, tags.CORRECTION_CLIPPED, tags.MISMATCH_KL]
         # Every rank holds the same keys, even one without sequences: they are summed over the ranks.
         acc = {k: torch.zeros((), device=self.device) for k in keys}
-        acc[tags.LEARNER_MICRO_BATCHES] += len(mbs)
+        acc[tags.LEARNER_MICRO_BATCHES] += sum(1 for mb in mbs if mb.rows)
         self.optimizer.zero_grad(set_to_none=True)
         for mb in mbs:
             mask = mb.completion_mask.to(self.device)
@@ -362,6 +384,9 @@ class Learner:
                 total = total + algo.kl_coef * kl
             if algo.entropy_coef > 0:  # the entropy bonus; otherwise entropy is only reported
                 total = total - algo.entropy_coef * aggregate(entropy, mask, algo.loss_aggregation, **norms)
+            if not mb.rows:  # a filler contributes nothing but its share of FSDP's collectives
+                (total * 0.0).backward()
+                continue
             total.backward()
             w = mb.num_tokens / max(num_tokens, 1.0)  # token-weighted averages of per-micro-batch metrics
             with torch.no_grad():
@@ -378,7 +403,10 @@ class Learner:
                     acc[k] = acc[k] + v
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.ranks.sum_grads(trainable)
-        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.train.max_grad_norm)
+        if self.ranks.fsdp:
+            grad_norm = clip_grads(trainable, cfg.train.max_grad_norm)
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.train.max_grad_norm)
         summed = self.ranks.sum_(torch.stack([acc[k].float() for k in keys]))
         out = dict(zip(keys, summed.tolist(), strict=True))
         out[tags.GRAD_NORM] = float(grad_norm)
@@ -415,7 +443,8 @@ class Learner:
         # device before the copy to the host. Checkpoints and the exported adapter keep float32.
         dtype = self.model.dtype if for_engine else torch.float32
         state = get_peft_model_state_dict(self.model, save_embedding_layers=False)
-        weights = {k: v.detach().to(dtype).cpu().contiguous() for k, v in state.items()}
+        # With FSDP the whole tensors are gathered (a collective: every rank calls this; rank 0's is sent).
+        weights = {k: full_tensor(v.detach()).to(dtype).cpu().contiguous() for k, v in state.items()}
         files = {
             ADAPTER_CONFIG: self._adapter_config,
             ADAPTER_WEIGHTS: save(weights, metadata={"format": "pt"}),
@@ -441,7 +470,10 @@ class Learner:
         buf = io.BytesIO()
         torch.save(
             {
-                "optimizer": self.optimizer.state_dict(),
+                # with FSDP gathered whole (every rank calls this): resumable on any number of ranks
+                "optimizer": full_optimizer_state(self.model, self.optimizer)
+                if self.ranks.fsdp
+                else self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(),
                 "version": self.version,
                 "rng": torch.get_rng_state(),
@@ -455,9 +487,12 @@ class Learner:
         from safetensors.torch import load_file
 
         weights = load_file(str(Path(adapter_dir) / ADAPTER_WEIGHTS))
-        set_peft_model_state_dict(self.model, weights)
         state = torch.load(io.BytesIO(trainer_state), weights_only=False)
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.ranks.fsdp:
+            load_sharded_state(self.model, self.optimizer, weights, state["optimizer"])
+        else:
+            set_peft_model_state_dict(self.model, weights)
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.version = int(state["version"])
         torch.set_rng_state(state["rng"])

@@ -15,6 +15,7 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 
@@ -38,6 +39,7 @@ class RankGroup:
 
     rank: int = 0
     world: int = 1
+    fsdp: bool = False  # the model is sharded with FSDP2 (`shard_model`)
 
     def mine(self, rows: list[int], lengths: list[int]) -> list[int]:
         """The rows of `rows` this rank trains on."""
@@ -46,13 +48,26 @@ class RankGroup:
     def sum_(self, t: torch.Tensor) -> torch.Tensor:
         """`t` summed over the ranks, in place (and returned)."""
         if self.world > 1:
-            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM)
+            on = _comm_device()
+            buf = t.to(on)
+            torch.distributed.all_reduce(buf, op=torch.distributed.ReduceOp.SUM)
+            if buf is not t:
+                t.copy_(buf)
         return t
+
+    def most(self, n: int) -> int:
+        """The largest `n` over the ranks: with FSDP every rank must run as many forward passes as the busiest."""
+        if self.world == 1:
+            return n
+        t = torch.tensor([n], dtype=torch.long, device=_comm_device())
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return int(t.item())
 
     def sum_grads(self, params: list[torch.nn.Parameter]) -> None:
         """Sum the gradients of `params` over the ranks in one flat buffer per dtype (a rank whose shard did not
         reach a parameter, e.g. no image for the merger, contributes zeros)."""
-        if self.world == 1:
+        params = [p for p in params if not is_sharded(p)]  # FSDP reduces its own
+        if self.world == 1 or not params:
             return
         for p in params:
             if p.grad is None:
@@ -70,6 +85,13 @@ class RankGroup:
                 offset += n
 
 
+def _comm_device() -> torch.device:
+    """Where the group's collectives take tensors: the GPU for nccl, the CPU for gloo."""
+    if torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def free_address(ip: str) -> str:
     """`tcp://ip:port` with a port of this host that is free now, for rank 0 (on `ip`) to offer the others."""
     with socket.socket() as s:
@@ -78,11 +100,90 @@ def free_address(ip: str) -> str:
     return f"tcp://{ip}:{port}"
 
 
-def join(rank: int, world: int, address: str, backend: str, timeout_s: float = 300.0) -> RankGroup:
+def join(
+    rank: int, world: int, address: str, backend: str, *, fsdp: bool = False, timeout_s: float = 300.0
+) -> RankGroup:
     """Join the learners' torch.distributed group (`backend` nccl on GPUs, gloo on CPUs); blocks until all
-    `world` ranks have joined."""
-    if world > 1:
+    `world` ranks have joined. With `fsdp` a group is formed even for one rank (FSDP2 needs one)."""
+    if world > 1 or fsdp:
         torch.distributed.init_process_group(
             backend, init_method=address, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
         )
-    return RankGroup(rank=rank, world=world)
+    return RankGroup(rank=rank, world=world, fsdp=fsdp)
+
+
+def is_sharded(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def shard_model(vlm: Any, device_type: str, world: int) -> None:
+    """FSDP2 over the learner ranks: each decoder layer of the language model is its own unit, the rest of the
+    VLM body (embeddings, vision tower, final norm) the root unit; `lm_head` stays whole on every rank (it is
+    called in chunks whose number differs between ranks, and a sharded module needs the same calls on all).
+    Gradients are summed, not averaged: the loss already divides by the whole mini-batch's normalisers."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device_type, (world,))
+    body = vlm.model  # what the learner calls; its forward gathers the root unit's parameters
+    units = [*body.language_model.layers, body]
+    for unit in units:
+        fully_shard(unit, mesh=mesh)
+    for unit in units:
+        unit.set_gradient_divide_factor(1.0)
+        if hasattr(unit, "set_force_sum_reduction_for_comms"):  # gloo has no pre-multiplied sum
+            unit.set_force_sum_reduction_for_comms(True)
+
+
+def clip_grads(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Clip the global L2 norm of the gradients of `params` (sharded and whole ones mixed) to `max_norm`;
+    returns the norm before clipping (the same on every rank)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    squares = []
+    for g in grads:
+        n = torch.linalg.vector_norm(g.float())
+        squares.append((n.full_tensor() if is_sharded(n) else n) ** 2)
+    total = torch.stack([s.to(squares[0].device) for s in squares]).sum().sqrt()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.device))
+    return total
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a sharded one (a collective: every rank must call it), else `t`."""
+    return t.full_tensor() if is_sharded(t) else t  # type: ignore[attr-defined]
+
+
+def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer state of a sharded model, whole (a collective: every rank calls it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_optimizer_state_dict(model, optimizer, options=options)
+
+
+def load_sharded_state(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    weights: dict[str, torch.Tensor],
+    optim_state: dict,
+) -> None:
+    """Whole adapter weights (peft's file names) and optimizer state into a sharded model: each rank keeps its
+    shard (a collective)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    from torch.distributed.tensor import distribute_tensor
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            key = name.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")
+            if p.requires_grad and key in weights:
+                full = weights[key].to(device=p.device, dtype=p.dtype)
+                mesh = getattr(p, "device_mesh", None)
+                p.copy_(distribute_tensor(full, mesh, p.placements) if mesh is not None else full)  # type: ignore[attr-defined]
+    options = StateDictOptions(full_state_dict=True)
+    set_optimizer_state_dict(model, optimizer, optim_state_dict=optim_state, options=options)
