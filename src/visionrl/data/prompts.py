@@ -9,7 +9,12 @@ from visionrl.types import PromptItem
 
 
 def prompt_messages(sample: Sample, system_prompt: str | None = None) -> list[dict[str, Any]]:
-    messages = list(sample.messages)
+    return with_system_prompt(sample.messages, system_prompt)
+
+
+def with_system_prompt(messages: list[dict[str, Any]], system_prompt: str | None) -> list[dict[str, Any]]:
+    """`messages` with the system message first (when `system_prompt` is set)."""
+    messages = list(messages)
     if system_prompt:
         messages = [{"role": "system", "content": [{"type": "text", "text": system_prompt}]}, *messages]
     return messages
