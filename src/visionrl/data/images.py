@@ -5,11 +5,12 @@ grid (`patch_size * merge_size` pixels) with a pixel count inside [min_pixels, m
 `factor x factor` cell then becomes one image token. Without a budget a 4032x3024 photo is about 11,800
 tokens, more than a 4096-token context. `ImageBudget` carries `data.min_pixels` / `data.max_pixels` /
 `data.max_images_per_prompt` to every place that turns images into tokens: the learner's and the HF
-engine's processor (`processor_size`), vLLM (`vllm_processor_kwargs`, `vllm_mm_limit`), the served model
-(the same two, from the adapter manifest) and the endpoint client (`fit_image`, so that the server's own
-resize leaves the image as it is). Sizes are computed with the processor's own rule (transformers'
-`smart_resize`), so the token count of a record is known from its image sizes alone, before any image is
-decoded (`image_tokens`).
+engine's processor (`processor_size`), vLLM (`vllm_processor_kwargs`, `vllm_mm_limit`) and the served model
+(the same two, from the adapter manifest). Prompts carry their images already resized to the budget size
+(`fit_image`, by `visionrl.data.prompts.build_prompt` and the endpoint client), so the learner, the engines
+and a server all get the same pixels, whose size their processors keep, and a request never carries a full
+photo. Sizes are computed with the processor's own rule (transformers' `smart_resize`), so the token count
+of a record is known from its image sizes alone, before any image is decoded (`image_tokens`).
 """
 
 from __future__ import annotations
@@ -111,3 +112,10 @@ def fit_image(image: Image.Image, budget: ImageBudget, factor: int) -> Image.Ima
     if size == image.size:
         return image
     return image.resize(size, Image.Resampling.BICUBIC)
+
+
+def fit_to_processor(image: Image.Image, processor: Any) -> Image.Image:
+    """`fit_image` with the pixel bounds and grid of `processor` (one loaded with a budget: `load_processor`)."""
+    size = getattr(processor, "image_processor", processor).size
+    budget = ImageBudget(int(size["shortest_edge"]), int(size["longest_edge"]))
+    return fit_image(image, budget, grid_factor(processor))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from visionrl.data.dataset import Sample
+from visionrl.data.images import fit_to_processor
 from visionrl.types import PromptItem
 
 
@@ -21,11 +22,16 @@ def with_system_prompt(messages: list[dict[str, Any]], system_prompt: str | None
 
 
 def build_prompt(sample: Sample, processor: Any, system_prompt: str | None = None) -> PromptItem:
-    """The chat-templated prompt text (one image placeholder per image; processors expand them)."""
+    """The chat-templated prompt text (one image placeholder per image; processors expand them) and the
+    images resized into the processor's pixel bounds (`visionrl.data.images.fit_to_processor`)."""
     text = processor.apply_chat_template(
         prompt_messages(sample, system_prompt), add_generation_prompt=True, tokenize=False
     )
     record = dict(sample.record)
     return PromptItem(
-        text=text, images=list(sample.images), answer=sample.answer, record=record, sample_id=sample.id
+        text=text,
+        images=[fit_to_processor(image, processor) for image in sample.images],
+        answer=sample.answer,
+        record=record,
+        sample_id=sample.id,
     )
