@@ -204,3 +204,26 @@ def test_training_runs_on_photos_and_the_served_model_counts_the_same_tokens(
                 _prompt_tokens(client, "photo", [photo.resize((64, 64))] * 5)
         finally:
             client.close()
+
+
+def test_the_hf_engine_applies_the_budget_and_skips_a_prompt_over_the_image_limit(
+    tiny_model: Path, photo_data: Path
+) -> None:
+    from visionrl.config import LoraConfig
+    from visionrl.data import load_dataset
+    from visionrl.rollout.hf_engine import HFEngine
+
+    budget = ImageBudget(max_pixels=MAX_PIXELS, max_images=1)
+    engine = HFEngine(str(tiny_model), lora=LoraConfig(rank=8), forbidden_token_ids=[], dtype="float32",
+                      device="cpu", budget=budget)  # fmt: skip
+    try:
+        ds = load_dataset(photo_data / "train.jsonl")
+        photo = build_prompt(ds[ds.ids.index("photo-red")], engine.processor)
+        two = build_prompt(ds[ds.ids.index("two-photos")], engine.processor)
+        enc = engine.processor(text=[photo.text], images=photo.images, return_tensors="pt")
+        assert int((enc["mm_token_type_ids"] == 1).sum()) == PHOTO_TOKENS
+        groups = engine.generate([photo, two, photo], SamplingSpec(n=2, max_tokens=2, seed=0))
+        assert [len(g) for g in groups] == [2, 0, 2]  # two images, over max_images=1: that prompt only
+        assert [c.prompt_index for g in groups for c in g] == [0, 0, 2, 2]
+    finally:
+        engine.close()
