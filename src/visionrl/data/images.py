@@ -9,8 +9,9 @@ engine's processor (`processor_size`), vLLM (`vllm_processor_kwargs`, `vllm_mm_l
 (the same two, from the adapter manifest). Prompts carry their images already resized to the budget size
 (`fit_image`, by `visionrl.data.prompts.build_prompt` and the endpoint client), so the learner, the engines
 and a server all get the same pixels, whose size their processors keep, and a request never carries a full
-photo. Sizes are computed with the processor's own rule (transformers' `smart_resize`), so the token count
-of a record is known from its image sizes alone, before any image is decoded (`image_tokens`).
+photo. Sizes are computed with the processor's own rule (transformers' `smart_resize`, which vLLM uses too:
+docs/ENGINE_NOTES.md), so the token count of a record is known from its image sizes alone, before any image
+is decoded (`image_tokens`).
 """
 
 from __future__ import annotations

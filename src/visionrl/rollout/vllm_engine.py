@@ -44,7 +44,8 @@ def _quiet_vllm() -> None:
 
 def _rejections() -> tuple[type[BaseException], ...]:
     """What vLLM raises for a request it refuses at validation: `VLLMValidationError` in vLLM 0.32 (not a
-    ValueError there), a ValueError in earlier releases and from the HF processor (e.g. an aspect ratio over 200)."""
+    ValueError there: docs/ENGINE_NOTES.md), a ValueError in earlier releases and from the HF processor (e.g. an
+    aspect ratio over 200)."""
     try:
         from vllm.exceptions import VLLMValidationError
     except ImportError:  # releases before the class existed raise ValueError
