@@ -182,3 +182,15 @@ def test_validate_rejects_bad_rules_with_exit_2(overrides: list[str], message: s
     result = visionrl("validate", str(DEMO), *overrides)
     assert result.returncode == EXIT_BAD_INPUT
     assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_eval_with_an_inconsistent_image_budget_exits_2_before_loading_anything(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["eval", "--data", str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "r.json"), "--base", "nowhere",
+            "--min-pixels", "4096", "--max-pixels", "1024"]  # fmt: skip
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert "--min-pixels / --max-pixels" in err and "1 <= min_pixels <= max_pixels" in err

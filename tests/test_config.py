@@ -195,6 +195,18 @@ def test_max_new_tokens_must_leave_room_for_the_prompt() -> None:
     assert cfg.rollout.max_new_tokens == 511
 
 
+def test_image_budget_defaults_and_bounds() -> None:
+    cfg = config_from_dict(MINIMAL)
+    # 1024 x 1024 at most (1,024 Qwen3-VL image tokens), 32 x 32 at least, 4 images per record.
+    assert (cfg.data.min_pixels, cfg.data.max_pixels, cfg.data.max_images_per_prompt) == (1024, 1_048_576, 4)
+    message = config_error(MINIMAL, ["data.min_pixels=4096", "data.max_pixels=1024"])
+    assert (
+        "data.min_pixels=4096 is above data.max_pixels=1024" in message
+        and "min_pixels <= max_pixels" in message
+    )
+    assert "data.max_images_per_prompt" in config_error(MINIMAL, ["data.max_images_per_prompt=0"])
+
+
 def test_split_placement_needs_gpus() -> None:
     message = config_error(MINIMAL, ["ray.placement=split"])
     assert "ray.placement=split" in message

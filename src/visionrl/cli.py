@@ -9,6 +9,10 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from visionrl.data.images import ImageBudget
 
 EXIT_BAD_INPUT = 2
 
@@ -60,7 +64,25 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval_budget(args: argparse.Namespace) -> ImageBudget | None:
+    """The image budget the eval flags give (None when none is given: the command's own default)."""
+    from visionrl.data.images import ImageBudget
+
+    given = {
+        "min_pixels": args.min_pixels,
+        "max_pixels": args.max_pixels,
+        "max_images": args.max_images_per_prompt,
+    }
+    if all(v is None for v in given.values()):
+        return None
+    try:
+        return ImageBudget(**{k: v for k, v in given.items() if v is not None})
+    except ValueError as err:
+        raise _usage(f"--min-pixels / --max-pixels / --max-images-per-prompt: {err}") from None
+
+
 def _cmd_eval(args: argparse.Namespace) -> int:
+    budget = _eval_budget(args)
     if args.endpoint:
         from visionrl.eval.endpoint import evaluate_endpoint
 
@@ -77,6 +99,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             timeout_s=args.timeout,
             seed=args.seed,
             base=args.base,
+            budget=budget,
         )
     else:
         if not args.base:
@@ -94,6 +117,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             max_tokens=args.max_tokens,
             rewards=args.reward,
             seed=args.seed,
+            budget=budget,
         )
     print(
         f"accuracy {report['accuracy']:.3f} on {report['num_samples']} samples "
@@ -231,6 +255,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="scoring reward (default exact_match; repeatable, e.g. numeric)",
     )
     sp.add_argument("--seed", type=int, default=0, help="seed (image permutation)")
+    sp.add_argument(
+        "--min-pixels",
+        type=int,
+        help="image budget (data.min_pixels); default: the adapter's manifest (local), else 1024",
+    )
+    sp.add_argument(
+        "--max-pixels",
+        type=int,
+        help="image budget (data.max_pixels); default: the adapter's manifest (local), else 1048576; "
+        "with --endpoint: the budget the server was started with",
+    )
+    sp.add_argument(
+        "--max-images-per-prompt", type=int, help="image budget (data.max_images_per_prompt), default 4"
+    )
 
     _add_serving_commands(add)
 

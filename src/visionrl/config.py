@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from visionrl.config_yaml import ConfigError, UniqueKeyLoader, apply_overrides
+from visionrl.data.images import DEFAULT_MAX_IMAGES, DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS
 from visionrl.rewards.registry import RewardConfigError, RewardSpec, resolve_reward
 
 # Default LoRA targets: the language model's projections only (never the vision blocks, whose
@@ -98,6 +99,34 @@ class DataConfig(_Section):
         None, description="Balance each batch of prompts over this record field (e.g. 'answer')."
     )
     system_prompt: str | None = Field(None, description="Optional system message prepended to every prompt.")
+    min_pixels: int = Field(
+        DEFAULT_MIN_PIXELS,
+        ge=1,
+        description="Smallest image area in pixels: smaller images are enlarged (aspect ratio kept) to reach it. "
+        "Applied the same way by the learner, the engines, evaluation and the served model.",
+    )
+    max_pixels: int = Field(
+        DEFAULT_MAX_PIXELS,
+        ge=1,
+        description="Largest image area in pixels: larger images are shrunk (aspect ratio kept, sides on the "
+        "processor's patch grid). One image token per (patch x merge)^2 pixels: 1,048,576 is at most 1,024 "
+        "tokens for Qwen3-VL. Applied the same way everywhere min_pixels is.",
+    )
+    max_images_per_prompt: int = Field(
+        DEFAULT_MAX_IMAGES,
+        ge=1,
+        description="Most images one record may hold; the engines and the server accept this many. Records "
+        "with more are skipped at load, counted and listed in the log.",
+    )
+
+    @model_validator(mode="after")
+    def validate_pixel_bounds(self) -> DataConfig:
+        if self.min_pixels > self.max_pixels:
+            raise ValueError(
+                f"data.min_pixels={self.min_pixels} is above data.max_pixels={self.max_pixels}; images are "
+                "resized into [min_pixels, max_pixels], so set min_pixels <= max_pixels"
+            )
+        return self
 
 
 class AlgorithmConfig(_Section):

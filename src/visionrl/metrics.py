@@ -59,6 +59,7 @@ LOGPROB_DIFF = "rollout/logprob_diff"  # engine vs learner log-prob mismatch of 
 ADAPTER_VERSION = "rollout/adapter_version"
 GROUPS_KEPT = "rollout/groups_kept"  # groups left after dynamic sampling drops zero-signal ones
 SAMPLING_ROUNDS = "rollout/sampling_rounds"  # prompt batches sampled this step (dynamic sampling)
+SKIPPED_PROMPTS = "rollout/skipped_prompts"  # prompts the engine rejected this step (left out, not the batch)
 RESPONSE_TOKENS = "response/tokens"  # completion tokens generated this step
 LEARNER_MICRO_BATCHES = "learner/micro_batches"
 LEARNER_TOKENS = "learner/tokens"

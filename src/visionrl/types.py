@@ -87,7 +87,8 @@ class RolloutEngine(Protocol):
     """What the loop needs from a rollout engine (vLLM in production, transformers generate as fallback)."""
 
     def generate(self, prompts: list[PromptItem], spec: SamplingSpec) -> list[list[Completion]]:
-        """`spec.n` completions for every prompt, in prompt order."""
+        """`spec.n` completions for every prompt, in prompt order; none (an empty list) for a prompt the engine
+        rejects (longer than its context, more images than it takes), which the caller skips and counts."""
         ...
 
     def load_adapter(self, payload: AdapterPayload) -> int:

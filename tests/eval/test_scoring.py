@@ -31,7 +31,8 @@ class FakeClock:
 
 
 class FakeEngine:
-    """Answers from a fixed table; a prompt whose text is "boom" makes the whole call raise ValueError.
+    """Answers from a fixed table; a prompt whose text is "boom" makes the whole call raise ValueError, one
+    whose text is "rejected" gets no completions (an engine that skipped it and served the rest).
 
     Each call takes 0.1 s of fake time per prompt (0.05 s for a call that fails).
     """
@@ -49,6 +50,9 @@ class FakeEngine:
         self.clock.now += 0.1 * len(prompts)
         out = []
         for i, p in enumerate(prompts):
+            if p.text == "rejected":  # the engine skipped this prompt alone: no completions
+                out.append([])
+                continue
             text = self.answers[p.text]
             ids = list(range(len(text.split()) + 1))  # words + end of sequence
             out.append([Completion(i, ids, text, [0.0] * len(ids), "stop")])
@@ -100,6 +104,21 @@ def test_evaluate_prompts_counts_correct_failed_and_latency_by_hand() -> None:
     assert report["mean_reward"] == pytest.approx(2 / 4)
     assert report["tokens_per_s"] == pytest.approx((2 + 2 + 2 + 3) / 2.0)
     assert report["created"] == "1970-01-01T00:00:00+00:00"
+
+
+def test_a_prompt_the_engine_rejected_is_one_failed_record_not_a_failed_batch() -> None:
+    from visionrl.eval.local import REJECTED
+
+    clock = FakeClock()
+    engine = FakeEngine({"q1": "red", "q2": "blue"}, clock)
+    prompts = [_prompt("q1", "red"), _prompt("rejected", "red"), _prompt("q2", "blue")]
+    with build_reward_fn([RewardSpec("exact_match")]) as reward_fn:
+        records = evaluate_prompts(engine, prompts, reward_fn, max_tokens=2, batch_size=8, clock=clock)
+    assert [texts for texts, _ in engine.calls] == [["q1", "rejected", "q2"]]  # one call, no retries
+    assert [r["correct"] for r in records] == [True, False, True]
+    assert records[1]["completion"] is None and records[1]["error"] == REJECTED
+    report = summarize(records, model="m", data="d.jsonl", started=0.0, duration_s=1.0, ablate_images=False)
+    assert (report["num_failed"], report["accuracy"]) == (1, 1.0)  # 2 correct of the 2 answered
 
 
 def test_correct_means_half_of_the_positive_weight() -> None:

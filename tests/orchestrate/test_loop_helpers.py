@@ -44,12 +44,17 @@ class _FakeStream:
 class _FakeWorkers:
     """Completions whose rewards follow `pattern[prompt index]` (a group of 2): (1, 0) has signal, (1, 1) not."""
 
-    def __init__(self, pattern: dict[int, tuple[float, float]]) -> None:
+    def __init__(
+        self, pattern: dict[int, tuple[float, float]], rejected: frozenset[int] = frozenset()
+    ) -> None:
         self.pattern = pattern
+        self.rejected = rejected  # prompt indices the engine rejects (no completions)
 
     def rollout(self, prompts: list[PromptItem], spec) -> list[list[Completion]]:
         return [
-            [Completion(i, [1, 2], p.text, [-0.1, -0.2], "stop") for _ in range(2)]
+            []
+            if int(p.text[1:]) in self.rejected
+            else [Completion(i, [1, 2], p.text, [-0.1, -0.2], "stop") for _ in range(2)]
             for i, p in enumerate(prompts)
         ]
 
@@ -123,6 +128,30 @@ def test_collect_stops_after_max_rounds_and_drops_surplus_groups() -> None:
         StepClock(),
     )
     assert surplus.keep.tolist() == [False, True, True, False]
+
+
+def test_prompts_the_engine_rejected_are_left_out_and_counted() -> None:
+    workers = _FakeWorkers({1: SIGNAL}, rejected=frozenset({0}))
+    got = _collect(_FakeStream(), workers, SamplingSpec(n=2), _cfg2(False), StepClock())
+    assert [p.text for p in got.prompts] == ["p1"] and got.keep.tolist() == [True]
+    assert (got.skipped, got.rounds, got.rewards.tolist()) == (1, 1, [1.0, 0.0])
+
+
+def test_a_batch_the_engine_rejected_whole_is_replaced_by_the_next() -> None:
+    workers = _FakeWorkers({2: SIGNAL, 3: FLAT}, rejected=frozenset({0, 1}))
+    got = _collect(_FakeStream(), workers, SamplingSpec(n=2), _cfg2(False), StepClock())
+    assert [p.text for p in got.prompts] == ["p2", "p3"] and (got.skipped, got.rounds) == (2, 1)
+
+
+def test_batch_after_batch_rejected_stops_the_run_with_the_cause() -> None:
+    from visionrl.errors import RunError
+    from visionrl.orchestrate.loop import MAX_REJECTED_BATCHES
+
+    stream = _FakeStream()
+    workers = _FakeWorkers({}, rejected=frozenset(range(100)))
+    with pytest.raises(RunError, match=f"rejected every prompt of {MAX_REJECTED_BATCHES} batches in a row"):
+        _collect(stream, workers, SamplingSpec(n=2), _cfg2(False), StepClock())
+    assert stream.n == 2 * MAX_REJECTED_BATCHES
 
 
 def test_step_metrics_by_hand() -> None:

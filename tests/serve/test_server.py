@@ -406,3 +406,61 @@ def test_load_adapter_sends_nothing_for_a_bad_export(adapter_api: str, tmp_path:
 def test_a_server_that_is_not_there_is_a_server_error() -> None:
     with pytest.raises(ServerError, match="no answer"):
         list_models(f"http://127.0.0.1:{free_port()}", timeout_s=2)
+
+
+# --------------------------------------------------------------------------- the image budget
+
+
+def _with_manifest(folder: Path, data: dict[str, Any]) -> Path:
+    """`folder`'s adapter with the manifest of a run whose job config has `data`."""
+    from visionrl.adapter.manifest import build_manifest, manifest_budget, write_manifest
+    from visionrl.adapter.storage import filesystem
+    from visionrl.config import config_from_dict
+
+    job = config_from_dict(
+        {
+            "output_dir": "r",
+            "model": {"path": "tiny-base"},
+            "data": {"train": "t.jsonl", **data},
+            "rewards": [{"name": "exact_match"}],
+        }  # fmt: skip
+    )
+    manifest = build_manifest(
+        folder, base_model="tiny-base", job_config=job.model_dump(mode="json"), eval_results=None
+    )
+    write_manifest(*filesystem(folder), manifest)
+    assert manifest_budget(manifest) is not None
+    return folder
+
+
+def test_the_server_resizes_images_with_the_budget_the_adapter_was_trained_with(tmp_path: Path) -> None:
+    data = {"min_pixels": 4096, "max_pixels": 200_704, "max_images_per_prompt": 2}
+    folder = _with_manifest(_make_adapter(tmp_path / "a"), data)
+    manifest = json.loads((folder / MANIFEST_NAME).read_text())
+    assert manifest["images"] == data  # recorded in the manifest, as trained
+    cmd = server_command("base", [served_adapter("a", folder)], host="h", port=1, cpu=False)
+    assert json.loads(_flag(cmd, "--mm-processor-kwargs")) == {
+        "size": {"shortest_edge": 4096, "longest_edge": 200_704}
+    }
+    assert json.loads(_flag(cmd, "--limit-mm-per-prompt")) == {"image": 2, "video": 0}
+
+
+def test_without_a_recorded_budget_the_server_uses_the_default_one(tmp_path: Path) -> None:
+    from visionrl.data.images import DEFAULT_MAX_IMAGES, DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS
+
+    cmd = server_command("base", [_served(tmp_path, "plain")], host="h", port=1, cpu=False)
+    assert json.loads(_flag(cmd, "--mm-processor-kwargs"))["size"] == {
+        "shortest_edge": DEFAULT_MIN_PIXELS,
+        "longest_edge": DEFAULT_MAX_PIXELS,
+    }
+    assert json.loads(_flag(cmd, "--limit-mm-per-prompt"))["image"] == DEFAULT_MAX_IMAGES
+
+
+def test_adapters_trained_with_different_budgets_cannot_share_a_server(tmp_path: Path) -> None:
+    a = served_adapter("a", _with_manifest(_make_adapter(tmp_path / "a"), {"max_pixels": 200_704}))
+    b = served_adapter("b", _with_manifest(_make_adapter(tmp_path / "b"), {"max_pixels": 1_048_576}))
+    with pytest.raises(InputError, match="different image budgets .*serve them from separate servers"):
+        server_command("base", [a, b], host="h", port=1, cpu=False)
+    same = served_adapter("c", _with_manifest(_make_adapter(tmp_path / "c"), {"max_pixels": 200_704}))
+    cmd = server_command("base", [a, same], host="h", port=1, cpu=False)
+    assert json.loads(_flag(cmd, "--mm-processor-kwargs"))["size"]["longest_edge"] == 200_704

@@ -1,5 +1,6 @@
-"""`visionrl_manifest.json`: what an adapter is (base model, processor settings, chat template hash, LoRA
-settings, training config, eval results, the serving check) and the sha256 and size of every file.
+"""`visionrl_manifest.json`: what an adapter is (base model, processor settings, the image budget it was
+trained with, chat template hash, LoRA settings, training config, eval results, the serving check) and the
+sha256 and size of every file.
 
 The manifest is written last (after every file it lists is in place and checked), so a reader that
 requires it never takes a half-written adapter; `verify_adapter` checks a folder or URL against it.
@@ -28,6 +29,7 @@ from visionrl.adapter.files import (
 )
 from visionrl.adapter.servable import check_servable
 from visionrl.adapter.storage import filesystem, is_local
+from visionrl.data.images import ImageBudget
 from visionrl.files import atomic_write, sha256_bytes, sha256_stream
 
 FORMAT_VERSION = 1
@@ -89,6 +91,26 @@ def processor_settings(base_dir: str | os.PathLike[str]) -> dict[str, Any] | Non
     return out
 
 
+def _image_settings(job_config: dict[str, Any] | None) -> dict[str, int] | None:
+    """The image budget of the training job (`data.min_pixels`, `max_pixels`, `max_images_per_prompt`)."""
+    data = (job_config or {}).get("data")
+    if not isinstance(data, dict) or "max_pixels" not in data:
+        return None
+    return ImageBudget(data["min_pixels"], data["max_pixels"], data["max_images_per_prompt"]).as_dict()
+
+
+def manifest_budget(manifest: Mapping[str, Any]) -> ImageBudget | None:
+    """The image budget a manifest records (None for an adapter exported without its training config)."""
+    images = manifest.get("images")
+    return ImageBudget.from_dict(images) if isinstance(images, dict) else None
+
+
+def read_local_budget(adapter_dir: str | os.PathLike[str]) -> ImageBudget | None:
+    """The image budget in the manifest of a local adapter folder (None without a manifest or a budget)."""
+    path = Path(adapter_dir) / MANIFEST_NAME
+    return manifest_budget(read_json_object(path, "adapter manifest")) if path.is_file() else None
+
+
 def chat_template_sha256(base_dir: str | os.PathLike[str]) -> str | None:
     """sha256 of the chat template: `chat_template.jinja`, else the template in `tokenizer_config.json`."""
     base = Path(base_dir)
@@ -129,6 +151,8 @@ def build_manifest(
         "visionrl_version": __version__,
         "base_model": _base_model_info(base_model),
         "processor": processor_settings(base_dir) if base_dir.is_dir() else None,
+        # Every image is resized into these bounds in training; serving and evaluation apply the same ones.
+        "images": _image_settings(job_config),
         "chat_template_sha256": chat_template_sha256(base_dir) if base_dir.is_dir() else None,
         "lora": {
             key: adapter_config.get(key) for key in ("r", "lora_alpha", "target_modules", "lora_dropout")

@@ -69,6 +69,8 @@ class _Entry:
     answer: Any
     metadata: dict[str, Any]
     record: dict[str, Any]
+    # (width, height) of each image, read from its header at load time (the image budget needs them).
+    image_sizes: list[tuple[int, int]] = field(default_factory=list)
 
 
 class VisionDataset:
@@ -93,6 +95,20 @@ class VisionDataset:
     def ids(self) -> list[str]:
         """Record ids (given, or "<file stem>-<line>"), in file order."""
         return [e.id for e in self._entries]
+
+    def messages(self, index: int) -> list[dict[str, Any]]:
+        """The normalised chat messages of record `index` (as `Sample.messages`), without opening its images."""
+        return self._entries[index].messages
+
+    def image_sizes(self, index: int) -> list[tuple[int, int]]:
+        """(width, height) of each image of record `index`, as stored (read at load, nothing decoded)."""
+        return list(self._entries[index].image_sizes)
+
+    def without(self, indices: set[int], reasons: dict[int, str]) -> VisionDataset:
+        """A dataset without the records at `indices`; each is added to `skipped` with `reasons[index]`."""
+        kept = [e for i, e in enumerate(self._entries) if i not in indices]
+        dropped = [(e.line, reasons[i]) for i, e in enumerate(self._entries) if i in indices]
+        return VisionDataset(self.path, kept, self.skipped + dropped)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -120,17 +136,19 @@ def _open_image(path: str, where: str) -> Image.Image:
         ) from e
 
 
-def _check_image(path: str, verify: bool) -> str | None:
-    """Why the image at `path` is unusable, or None if it looks fine."""
+def _check_image(path: str, verify: bool) -> tuple[str | None, tuple[int, int]]:
+    """(why the image at `path` is unusable or None if it looks fine, its (width, height) from the header;
+    (0, 0) when unknown: without `verify` an unreadable header is left for the access to report)."""
     if not os.path.isfile(path):
-        return "file not found"
-    if verify:
-        try:
-            with Image.open(path) as image:
+        return "file not found", (0, 0)
+    try:
+        with Image.open(path) as image:  # reads the header only
+            size = image.size
+            if verify:
                 image.verify()  # header and checksums only: cheap, no full decode
-        except IMAGE_ERRORS as e:
-            return f"not a readable image ({type(e).__name__}: {e})"
-    return None
+    except IMAGE_ERRORS as e:
+        return (f"not a readable image ({type(e).__name__}: {e})" if verify else None), (0, 0)
+    return None, size
 
 
 # --- Reading rows ---
@@ -351,10 +369,12 @@ def load_dataset(
 
 
 def _first_bad_image(entry: _Entry, verify: bool) -> str | None:
+    """Why the first bad image of `entry` is unusable, or None; fills `entry.image_sizes` on the way."""
     for raw, resolved in zip(entry.record["images"], entry.image_paths, strict=True):
-        reason = _check_image(resolved, verify)
+        reason, size = _check_image(resolved, verify)
         if reason is not None:
             return f"image {raw!r} ({resolved}): {reason}"
+        entry.image_sizes.append(size)
     return None
 
 

@@ -5,7 +5,9 @@ PNG `image_url` part, temperature 0, several requests in flight from a thread po
 latency is measured on its own; a request that fails (timeout, connection error, HTTP error, an answer
 that is not a completion) becomes a failed `Generation` with the error, never an exception, so one bad
 sample or a flaky network costs that sample only. Scoring and the report are those of local evaluation
-(`visionrl.eval.scoring`, `visionrl.eval.report`), so both reports have one format.
+(`visionrl.eval.scoring`, `visionrl.eval.report`), so both reports have one format. Images are resized
+into the image budget before they are sent (`visionrl.data.images.fit_image`): the server's processor keeps
+that size, so it counts the image tokens local evaluation counts, and a request never carries a full photo.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from urllib.parse import urlsplit
 
 from PIL import Image
 
+from visionrl.data.images import ImageBudget, fit_image, grid_factor
 from visionrl.errors import InputError
 from visionrl.eval.report import summarize, write_report
 from visionrl.eval.scoring import ablate, score_generations
@@ -132,13 +135,19 @@ def request_answers(
         client.close()
 
 
-def _forbidden_token_ids(base: str) -> list[int]:
+# Qwen3-VL's grid (patch 16 x merge 2), used to resize images when no --base names the served model's own.
+DEFAULT_GRID_FACTOR = 32
+
+
+def _base_settings(base: str) -> tuple[list[int], int]:
+    """(vision token ids to forbid, image grid factor) of the served base model's checkpoint."""
     from transformers import AutoConfig
 
     from visionrl.models.loader import check_model_dir, load_processor, vision_token_ids
 
     check_model_dir(base)
-    return vision_token_ids(AutoConfig.from_pretrained(base), load_processor(base))
+    processor = load_processor(base)
+    return vision_token_ids(AutoConfig.from_pretrained(base), processor), grid_factor(processor)
 
 
 def evaluate_endpoint(
@@ -156,13 +165,16 @@ def evaluate_endpoint(
     seed: int = 0,
     base: str | None = None,
     max_retries: int = 2,
+    budget: ImageBudget | None = None,
 ) -> dict[str, Any]:
     """Evaluate the model or adapter `model` served at `endpoint` (OpenAI base URL) on `data`; write and
     return the report, in the format of `evaluate_local`.
 
     The chat messages are the data's, with every image sent as a base64 PNG; answers are greedy. A failed
     request counts in `num_failed` with its error (see `request_answers`). `base`
-    (optional), the served base model's directory, forbids its vision tokens as local evaluation does.
+    (optional), the served base model's directory, forbids its vision tokens as local evaluation does and
+    gives the image grid the images are resized to. `budget` (default: the default budget) must be the one
+    the server was started with (`visionrl serve` takes it from the adapter's manifest).
     """
     from visionrl.data.dataset import load_dataset
     from visionrl.data.prompts import prompt_messages
@@ -174,12 +186,16 @@ def evaluate_endpoint(
         raise InputError(f"concurrency must be >= 1, got {concurrency}")
     if not os.path.isfile(data):
         raise InputError(f"data file '{data}' not found; pass a JSONL or Parquet file of evaluation records")
-    forbidden = _forbidden_token_ids(base) if base else []
+    forbidden, factor = _base_settings(base) if base else ([], DEFAULT_GRID_FACTOR)
+    budget = budget or ImageBudget()
     reward_names = list(rewards or ["exact_match"])
     reward_fn = build_reward_fn([RewardSpec(name) for name in reward_names])
     samples = list(load_dataset(data, max_samples=max_samples))
     # The server applies the chat template; the prompt text stays empty here.
-    prompts = [PromptItem("", list(s.images), s.answer, dict(s.record), s.id) for s in samples]
+    prompts = [
+        PromptItem("", [fit_image(im, budget, factor) for im in s.images], s.answer, dict(s.record), s.id)
+        for s in samples
+    ]
     if ablate_images:
         prompts = ablate(prompts, seed)
     requests = [chat_messages(prompt_messages(s), p.images) for s, p in zip(samples, prompts, strict=True)]
@@ -202,6 +218,7 @@ def evaluate_endpoint(
     extra = {
         "endpoint": endpoint, "served_model": model, "base": base, "engine": "endpoint", "rewards": reward_names,
         "max_tokens": max_tokens, "seed": seed, "concurrency": concurrency, "timeout_s": timeout_s,
+        "images": budget.as_dict(),
     }  # fmt: skip
     report = summarize(records, model=f"{model} @ {endpoint}", data=data, started=started, duration_s=duration_s,
                        ablate_images=ablate_images, extra=extra)  # fmt: skip

@@ -31,8 +31,9 @@ from visionrl.adapter.files import (
     target_regex,
     targets_vision,
 )
-from visionrl.adapter.manifest import verify_adapter
+from visionrl.adapter.manifest import read_local_budget, verify_adapter
 from visionrl.config import LoraConfig, RolloutConfig
+from visionrl.data.images import ImageBudget
 from visionrl.errors import InputError
 from visionrl.eval.report import summarize, write_report
 from visionrl.eval.scoring import ablate, score_generations
@@ -55,7 +56,16 @@ class GenerateEngine(Protocol):
     def generate(self, prompts: list[PromptItem], spec: SamplingSpec) -> list[list[Completion]]: ...
 
 
-def _from_completion(completion: Completion, latency_ms: float) -> Generation:
+REJECTED = (
+    "the engine rejected the prompt (too long for its context, or more images than it takes; see the log)"
+)
+
+
+def _from_group(group: list[Completion], latency_ms: float) -> Generation:
+    """The answer of a prompt's group; a failed Generation for a prompt the engine rejected (no completion)."""
+    if not group:
+        return Generation(None, 0, latency_ms, None, REJECTED)
+    completion = group[0]
     return Generation(completion.text, len(completion.token_ids), latency_ms, completion.finish_reason)
 
 
@@ -72,18 +82,18 @@ def _generate_batch(
         )
     else:
         per_sample_ms = (clock() - start) * 1000.0 / len(batch)
-        return [_from_completion(out[0], per_sample_ms) for out in outputs]
+        return [_from_group(out, per_sample_ms) for out in outputs]
     generations = []
     for prompt in batch:
         start = clock()
         try:
-            out = engine.generate([prompt], spec)[0][0]
+            out = engine.generate([prompt], spec)[0]
         except GENERATION_ERRORS as err:
             generations.append(
                 Generation(None, 0, (clock() - start) * 1000.0, None, f"{type(err).__name__}: {err}")
             )
         else:
-            generations.append(_from_completion(out, (clock() - start) * 1000.0))
+            generations.append(_from_group(out, (clock() - start) * 1000.0))
     return generations
 
 
@@ -159,7 +169,7 @@ def _build_engine(
     base: str,
     adapter_cfg: dict[str, Any] | None,
     forbidden: list[int],
-    max_images: int,
+    budget: ImageBudget,
     seed: int,
 ) -> RolloutEngine:
     """The rollout engine for local evaluation, from the engine factory training uses."""
@@ -170,7 +180,7 @@ def _build_engine(
         forbidden_token_ids=forbidden,
         dtype="float32" if cpu_only() else "bfloat16",  # bf16 is 4-20x slower on CPUs (docs/ENGINE_NOTES.md)
         seed=seed,
-        max_images_per_prompt=max(1, max_images),
+        budget=budget,
     )
 
 
@@ -185,8 +195,12 @@ def evaluate_local(
     max_tokens: int = 32,
     rewards: list[str] | None = None,
     seed: int = 0,
+    budget: ImageBudget | None = None,
 ) -> dict[str, Any]:
     """Evaluate `base` (+ `adapter`) on `data` with a local engine ("vllm" or "hf"); write and return the report.
+
+    Images are resized into `budget`; without one, into the budget the adapter was trained with (its
+    manifest), else the default budget. A prompt the engine rejects is a failed record.
 
     `rewards` are reward names (default ["exact_match"]), each of weight 1. Bad inputs (missing data file or
     adapter, unknown reward or engine, a base directory that is not a Qwen3-VL checkpoint) raise InputError
@@ -208,13 +222,13 @@ def evaluate_local(
     reward_names = list(rewards or ["exact_match"])
     reward_fn = build_reward_fn([RewardSpec(name) for name in reward_names])
 
-    processor = load_processor(base)
+    budget = budget or (read_local_budget(adapter_dir) if adapter_dir else None) or ImageBudget()
+    processor = load_processor(base, budget)
     prompts = [build_prompt(sample, processor) for sample in load_dataset(data, max_samples=max_samples)]
     if ablate_images:
         prompts = ablate(prompts, seed)
     forbidden = vision_token_ids(AutoConfig.from_pretrained(base), processor)
-    max_images = max(len(p.images) for p in prompts)
-    runner = _build_engine(engine, base, adapter_cfg, forbidden, max_images, seed)
+    runner = _build_engine(engine, base, adapter_cfg, forbidden, budget, seed)
     try:
         if adapter_dir is not None:
             files = {name: (adapter_dir / name).read_bytes() for name in ADAPTER_FILES}
@@ -228,7 +242,7 @@ def evaluate_local(
     model = base if adapter_dir is None else f"{base} + {adapter_dir}"
     extra = {
         "base": base, "adapter": None if adapter_dir is None else str(adapter_dir), "engine": engine,
-        "rewards": reward_names, "max_tokens": max_tokens, "seed": seed,
+        "rewards": reward_names, "max_tokens": max_tokens, "seed": seed, "images": budget.as_dict(),
     }  # fmt: skip
     report = summarize(
         records,

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from visionrl.adapter.files import target_regex
 from visionrl.config import LM_PROJECTIONS, MERGER_PROJECTIONS, LoraConfig
+from visionrl.data.images import ImageBudget
 from visionrl.errors import InputError
 
 if TYPE_CHECKING:
@@ -58,11 +59,19 @@ def torch_dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def load_processor(path: str | Path) -> ProcessorMixin:
+def load_processor(path: str | Path, budget: ImageBudget | None = None) -> ProcessorMixin:
+    """The checkpoint's processor; with `budget`, its image processor resizes into the budget's pixel bounds
+    (the same bounds the engines and the server get: `visionrl.data.images`)."""
     from transformers import AutoProcessor
+    from transformers.image_utils import SizeDict
 
     check_model_dir(path)
-    return AutoProcessor.from_pretrained(str(path))
+    processor = AutoProcessor.from_pretrained(str(path))
+    if budget is not None:
+        # Only the image processor: passing `size` to from_pretrained would also set the video processor's,
+        # whose bounds mean pixels x frames.
+        processor.image_processor.size = SizeDict(**budget.processor_size())
+    return processor
 
 
 def load_base_model(

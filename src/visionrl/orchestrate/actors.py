@@ -20,6 +20,7 @@ from typing import Any
 import ray
 
 from visionrl.config import JobConfig, RayConfig
+from visionrl.data.images import ImageBudget
 from visionrl.errors import out_of_memory
 from visionrl.rewards import RewardSpec, build_reward_fn
 from visionrl.rollout.factory import make_engine
@@ -121,6 +122,7 @@ class RolloutActor:
                 forbidden_token_ids=forbidden,
                 dtype=cfg.model.dtype,
                 seed=seed,
+                budget=ImageBudget.of(cfg.data),
             )
 
     def generate(self, prompts: list[PromptItem], spec: SamplingSpec) -> list[list[Completion]]:

@@ -110,6 +110,7 @@ def _train(cfg: JobConfig, run: RunDir, resume: bool, prompts_in: PromptStream) 
                 **_step_metrics(rewards, completions, scores, stats, G, int(got.keep.sum())),
                 **shaping,
                 tags.SAMPLING_ROUNDS: float(got.rounds),
+                tags.SKIPPED_PROMPTS: float(got.skipped),
                 **clock.metrics(),
             }
             if step % cfg.logging.eval_every == 0 or step == cfg.train.steps:  # 7. log, maybe evaluate ...
@@ -217,6 +218,10 @@ class Collected:
     rewards: torch.Tensor  # [num_groups * group_size]
     keep: torch.Tensor  # [num_groups] bool
     rounds: int
+    skipped: int = 0  # prompts the engines rejected (left out of the step, never failing it)
+
+
+MAX_REJECTED_BATCHES = 3  # batches in a row whose every prompt the engines rejected before the run stops
 
 
 def _collect(
@@ -224,17 +229,31 @@ def _collect(
 ) -> Collected:
     """Phases 1-3 of a step. Without dynamic sampling: one batch of prompts, every group kept. With it (DAPO):
     only groups whose rewards differ are kept, and further batches are sampled (at most max_sampling_rounds)
-    until prompts_per_step such groups are found; surplus groups are dropped. Metrics cover every sampled group."""
+    until prompts_per_step such groups are found; surplus groups are dropped. Metrics cover every sampled group.
+    Prompts an engine rejects (no completions) are left out and counted; a batch that loses every prompt
+    is replaced by the next one, up to MAX_REJECTED_BATCHES in a row."""
     G, want = cfg.algorithm.group_size, cfg.rollout.prompts_per_step
     rounds_max = cfg.algorithm.max_sampling_rounds if cfg.algorithm.dynamic_sampling else 1
     prompts: list[PromptItem] = []
     completions: list[list[Completion]] = []
     parts: list[RewardResult] = []
     keep: list[bool] = []
-    for r in range(rounds_max):
+    skipped = empty = r = 0
+    while r < rounds_max:
         batch = prompts_in.next_batch()  # 1. sample prompts
         with clock("rollout"):  # 2. rollout with the current adapter
             groups = workers.rollout(batch, replace(spec, seed=None if spec.seed is None else spec.seed + r))
+        batch, groups, rejected = _without_rejected(batch, groups)
+        skipped += rejected
+        if not batch:
+            empty += 1
+            if empty >= MAX_REJECTED_BATCHES:
+                raise RunError(
+                    f"the engines rejected every prompt of {empty} batches in a row (see the warnings above for "
+                    "why); check rollout.max_model_len and data.max_pixels against your data"
+                )
+            continue
+        empty, r = 0, r + 1
         with clock("reward"):  # 3. reward
             scores = workers.score(batch, groups)
         rewards = torch.tensor(scores.total, dtype=torch.float32)
@@ -257,8 +276,17 @@ def _collect(
         scores,
         torch.tensor(scores.total, dtype=torch.float32),
         torch.tensor(keep, dtype=torch.bool),
-        r + 1,
+        r,
+        skipped,
     )
+
+
+def _without_rejected(
+    batch: list[PromptItem], groups: list[list[Completion]]
+) -> tuple[list[PromptItem], list[list[Completion]], int]:
+    """The prompts that got completions, their groups, and how many prompts the engines rejected."""
+    kept = [i for i, group in enumerate(groups) if group]
+    return [batch[i] for i in kept], [groups[i] for i in kept], len(batch) - len(kept)
 
 
 def _train_batch(

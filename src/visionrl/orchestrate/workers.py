@@ -18,7 +18,9 @@ import ray
 
 from visionrl import metrics as tags
 from visionrl.config import JobConfig
-from visionrl.data import PromptSampler, load_dataset
+from visionrl.data import PromptSampler, VisionDataset, load_dataset
+from visionrl.data.images import ImageBudget
+from visionrl.data.lengths import fit_to_engine
 from visionrl.data.prompts import build_prompt
 from visionrl.errors import RunError
 from visionrl.models.loader import load_processor
@@ -32,21 +34,39 @@ logger = logging.getLogger(__name__)
 
 
 class PromptStream:
-    """Batches of chat-templated prompts from the training data, resumable; and the held-out prompts."""
+    """Batches of chat-templated prompts from the training data, resumable; and the held-out prompts.
+
+    Records the engines could not take (more images than data.max_images_per_prompt, or a prompt that with
+    rollout.max_new_tokens exceeds rollout.max_model_len) are dropped at load and listed in the log
+    (`visionrl.data.lengths`)."""
 
     def __init__(self, cfg: JobConfig) -> None:
         self.cfg = cfg
-        self.processor = load_processor(cfg.model.path)
-        self.train = load_dataset(cfg.data.train, on_bad_image=cfg.data.on_bad_image)
+        self.processor = load_processor(cfg.model.path, ImageBudget.of(cfg.data))
+        self.train = self._fit(load_dataset(cfg.data.train, on_bad_image=cfg.data.on_bad_image))
         self.sampler = PromptSampler(
             self.train, cfg.rollout.prompts_per_step, cfg.train.seed, balance_key=cfg.data.balance_key
         )
         self._eval_data = None
         if cfg.data.eval is not None:
-            self._eval_data = load_dataset(
-                cfg.data.eval, on_bad_image=cfg.data.on_bad_image, max_samples=cfg.data.max_eval_samples
+            self._eval_data = self._fit(
+                load_dataset(
+                    cfg.data.eval, on_bad_image=cfg.data.on_bad_image, max_samples=cfg.data.max_eval_samples
+                )
             )
         self._eval: list[PromptItem] | None = None
+
+    def _fit(self, dataset: VisionDataset) -> VisionDataset:
+        cfg = self.cfg
+        fitted, _ = fit_to_engine(
+            dataset,
+            self.processor,
+            ImageBudget.of(cfg.data),
+            max_model_len=cfg.rollout.max_model_len,
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            system_prompt=cfg.data.system_prompt,
+        )
+        return fitted
 
     def next_batch(self) -> list[PromptItem]:
         return [self._prompt(self.train[i]) for i in self.sampler.next_batch()]

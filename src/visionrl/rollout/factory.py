@@ -6,6 +6,7 @@ Heavy imports (vLLM, transformers) happen inside, so importing this module costs
 from __future__ import annotations
 
 from visionrl.config import LoraConfig, RolloutConfig
+from visionrl.data.images import ImageBudget
 from visionrl.types import RolloutEngine
 
 ENGINES = ("vllm", "hf")
@@ -19,13 +20,14 @@ def make_engine(
     forbidden_token_ids: list[int],
     dtype: str,
     seed: int,
-    max_images_per_prompt: int = 4,
+    budget: ImageBudget,
 ) -> RolloutEngine:
     """The rollout engine `rollout.engine` ("vllm" or "hf") for `model_path` with a LoRA layout from `lora`.
 
     vLLM reads the adapter's targets from the adapter files themselves; it needs the rank to size its LoRA
     slots and `lora.train_merger` to apply LoRA on the vision merger. The HF engine builds the peft layout
-    from `lora`, so the adapters it loads must match it.
+    from `lora`, so the adapters it loads must match it. Both resize images into `budget` and take at most
+    `budget.max_images` images per prompt.
     """
     if rollout.engine == "vllm":
         from visionrl.rollout.vllm_engine import VLLMEngine
@@ -41,13 +43,18 @@ def make_engine(
             enforce_eager=rollout.enforce_eager,
             kv_cache_gib=rollout.kv_cache_gib,
             seed=seed,
-            max_images_per_prompt=max_images_per_prompt,
+            budget=budget,
             sleep_mode=rollout.sleep_during_update,
         )
     if rollout.engine == "hf":
         from visionrl.rollout.hf_engine import HFEngine
 
         return HFEngine(
-            model_path, lora=lora, forbidden_token_ids=forbidden_token_ids, dtype=dtype, seed=seed
+            model_path,
+            lora=lora,
+            forbidden_token_ids=forbidden_token_ids,
+            dtype=dtype,
+            seed=seed,
+            budget=budget,
         )
     raise ValueError(f"unknown rollout engine {rollout.engine!r}; use one of {', '.join(ENGINES)}")

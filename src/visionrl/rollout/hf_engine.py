@@ -7,14 +7,18 @@ so it runs where vLLM cannot be installed and serves as the GPU benchmark's engi
 from __future__ import annotations
 
 import json
+import logging
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from visionrl import faults
 from visionrl.config import LoraConfig
+from visionrl.data.images import ImageBudget
 from visionrl.models.loader import apply_lora, load_base_model, load_processor
 from visionrl.rollout.probe import largest_first_token_change
+from visionrl.rollout.rejects import generate_skipping
 from visionrl.types import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
@@ -23,6 +27,8 @@ from visionrl.types import (
     PromptItem,
     SamplingSpec,
 )
+
+logger = logging.getLogger(__name__)
 
 
 def end_of_sequence_ids(generation_eos: int | list[int] | None, tokenizer_eos: int | None) -> list[int]:
@@ -43,9 +49,11 @@ class HFEngine:
         dtype: str = "float32",
         device: str | None = None,
         seed: int = 0,
+        budget: ImageBudget | None = None,
     ) -> None:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.processor = load_processor(model_path)
+        self.budget = budget or ImageBudget()
+        self.processor = load_processor(model_path, self.budget)
         self.processor.tokenizer.padding_side = "left"
         base = load_base_model(model_path, dtype, self.device)
         self.model = apply_lora(base, lora, seed=seed).eval()
@@ -116,8 +124,25 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[PromptItem], spec: SamplingSpec) -> list[list[Completion]]:
+        """`spec.n` completions per prompt; a prompt the processor refuses (ValueError) or with more than
+        `budget.max_images` images gets none (skipped), the rest of the batch is generated."""
         if spec.seed is not None:
             torch.manual_seed(spec.seed)
+
+        def skip(index: int, err: BaseException) -> None:
+            logger.warning("the HF engine rejected prompt %r; skipping it: %s", prompts[index].sample_id, err)
+
+        groups = generate_skipping(
+            lambda batch: self._generate_batch(batch, spec), prompts, (ValueError,), skip
+        )
+        return [[replace(c, prompt_index=i) for c in g or []] for i, g in enumerate(groups)]
+
+    def _generate_batch(self, prompts: list[PromptItem], spec: SamplingSpec) -> list[list[Completion]]:
+        for p in prompts:
+            if len(p.images) > self.budget.max_images:
+                raise ValueError(
+                    f"prompt {p.sample_id!r} has {len(p.images)} images, over the limit of {self.budget.max_images}"
+                )
         texts = [p.text for p in prompts]
         images = [img for p in prompts for img in p.images] or None
         enc = self.processor(text=texts, images=images, return_tensors="pt", padding=True).to(self.device)

@@ -4,7 +4,10 @@ Facts this engine is built on (docs/ENGINE_NOTES.md, measured on vLLM 0.32):
 - each adapter version gets a new LoRA id and name; reusing one returns stale image embeddings;
 - after any adapter change the encoder and prefix caches are reset, else a cached image crashes the engine;
 - LoRA on the vision merger is applied only with `enable_tower_connector_lora=True`;
-- after an exception inside an in-process engine it is unusable, so it is rebuilt and the call retried once.
+- after an exception inside an in-process engine it is unusable, so it is rebuilt and the call retried once;
+- a prompt vLLM refuses at validation (too long for `max_model_len`, more images than `limit_mm_per_prompt`)
+  raises before anything runs and leaves the engine usable: that prompt is skipped (an empty group), the
+  rest of the batch is generated (`visionrl.rollout.rejects`).
 Log-probs are returned in `processed_logprobs` mode: the sampling distribution (temperature applied, forbidden
 vision tokens biased away), the same distribution the learner computes.
 """
@@ -19,7 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from visionrl import faults
+from visionrl.data.images import ImageBudget
 from visionrl.rollout.probe import largest_first_token_change
+from visionrl.rollout.rejects import generate_skipping
 from visionrl.rollout.vllm_platform import cpu_only, set_cpu_env, vllm_max_lora_rank
 from visionrl.types import AdapterPayload, Completion, PromptItem, SamplingSpec
 
@@ -35,6 +40,17 @@ def _quiet_vllm() -> None:
     logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(
         lambda record: "set_num_threads" not in record.getMessage()
     )
+
+
+def _rejections() -> tuple[type[BaseException], ...]:
+    """What vLLM raises for a request it refuses at validation: `VLLMValidationError` in vLLM 0.32 (not a
+    ValueError there: docs/ENGINE_NOTES.md), a ValueError in earlier releases and from the HF processor (e.g. an
+    aspect ratio over 200)."""
+    try:
+        from vllm.exceptions import VLLMValidationError
+    except ImportError:  # releases before the class existed raise ValueError
+        return (ValueError,)
+    return (ValueError, VLLMValidationError)
 
 
 class VLLMEngine:
@@ -53,9 +69,10 @@ class VLLMEngine:
         enforce_eager: bool = False,
         kv_cache_gib: float = 1.0,
         seed: int = 0,
-        max_images_per_prompt: int = 4,
+        budget: ImageBudget | None = None,
         sleep_mode: bool = False,
     ) -> None:
+        budget = budget or ImageBudget()
         self._llm_kwargs: dict[str, Any] = {
             "model": model_path,
             "dtype": dtype,
@@ -65,7 +82,9 @@ class VLLMEngine:
             "max_model_len": max_model_len,
             "seed": seed,
             "logprobs_mode": "processed_logprobs",
-            "limit_mm_per_prompt": {"image": max_images_per_prompt, "video": 0},
+            # The learner's processor resizes into the same bounds, so both count the same image tokens.
+            "mm_processor_kwargs": budget.vllm_processor_kwargs(),
+            "limit_mm_per_prompt": budget.vllm_mm_limit(),
             "enforce_eager": enforce_eager,
             "worker_extension_cls": "visionrl.rollout.vllm_worker.VisionRLWorkerExtension",
         }
@@ -202,16 +221,26 @@ class VLLMEngine:
             {"prompt": p.text, "multi_modal_data": {"image": p.images}} if p.images else {"prompt": p.text}
             for p in prompts
         ]
+
+        def skip(index: int, err: BaseException) -> None:
+            logger.warning("vLLM rejected prompt %r; skipping it: %s", prompts[index].sample_id, err)
+
+        outputs = generate_skipping(lambda batch: self._run(batch, params, lora), inputs, _rejections(), skip)
+        return [
+            [] if out is None else [self._completion(i, c) for c in out.outputs]
+            for i, out in enumerate(outputs)
+        ]
+
+    def _run(self, inputs: list[dict[str, Any]], params: Any, lora: Any) -> list[Any]:
         try:
-            outputs = self._llm.generate(inputs, params, lora_request=lora, use_tqdm=False)
-        except (RuntimeError, ValueError, AssertionError) as err:
+            return list(self._llm.generate(inputs, params, lora_request=lora, use_tqdm=False))
+        except (RuntimeError, AssertionError) as err:
             if lora is not self._lora:
                 raise  # a probe: the rebuilt engine would not hold its adapter
             # An in-process engine is unusable after an internal error (docs/ENGINE_NOTES.md): rebuild, retry once.
             logger.warning("vLLM engine failed (%s); rebuilding it and retrying the batch once", err)
             self._llm = self._build()
-            outputs = self._llm.generate(inputs, params, lora_request=self._lora, use_tqdm=False)
-        return [[self._completion(i, c) for c in out.outputs] for i, out in enumerate(outputs)]
+            return list(self._llm.generate(inputs, params, lora_request=self._lora, use_tqdm=False))
 
     def _completion(self, index: int, c: Any) -> Completion:
         ids = list(c.token_ids)

@@ -14,7 +14,9 @@ from pathlib import Path
 
 from visionrl.adapter.fetch import fetch_adapter
 from visionrl.adapter.files import ADAPTER_WEIGHTS, ExportError, read_adapter_config, read_safetensors_header
+from visionrl.adapter.manifest import read_local_budget
 from visionrl.adapter.servable import check_servable
+from visionrl.data.images import ImageBudget
 from visionrl.errors import InputError
 from visionrl.serve.process import http_json, root_url
 
@@ -27,6 +29,7 @@ class ServedAdapter:
     path: Path
     max_lora_rank: int
     tower_connector_lora: bool
+    budget: ImageBudget | None = None  # the image budget it was trained with (its manifest), if recorded
 
 
 def _check_name(name: str) -> None:
@@ -49,7 +52,8 @@ def served_adapter(name: str, path: str | os.PathLike[str]) -> ServedAdapter:
             f"vLLM cannot serve adapter {name!r} ({folder}) as trained:\n  - "
             + "\n  - ".join(check["problems"])
         )
-    return ServedAdapter(name, folder, check["max_lora_rank"], check["tower_connector_lora"])
+    budget = read_local_budget(folder)
+    return ServedAdapter(name, folder, check["max_lora_rank"], check["tower_connector_lora"], budget)
 
 
 def list_models(url: str, timeout_s: float = 10.0) -> list[str]:

@@ -11,6 +11,7 @@ Adapters of a running server (load, unload, list) are `visionrl.serve.adapters`'
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from visionrl.adapter.fetch import fetch_adapter
+from visionrl.data.images import ImageBudget
 from visionrl.errors import InputError
 from visionrl.rollout.vllm_platform import cpu_env, cpu_only, fill_env, vllm_max_lora_rank
 from visionrl.serve.adapters import ServedAdapter, list_models, served_adapter
@@ -34,6 +36,19 @@ READY_TIMEOUT_S = 900.0  # an 8B model loads in minutes; the tiny model in about
 
 # --------------------------------------------------------------------------------------------------
 # What the server runs
+
+
+def serving_budget(adapters: Sequence[ServedAdapter]) -> ImageBudget:
+    """The image budget the server applies: the one the adapters were trained with (their manifests), else
+    the default. Adapters trained with different budgets cannot share one server: InputError."""
+    budgets = {a.budget for a in adapters if a.budget is not None}
+    if len(budgets) > 1:
+        listed = "; ".join(f"{a.name}: {a.budget.as_dict()}" for a in adapters if a.budget is not None)
+        raise InputError(
+            f"the adapters were trained with different image budgets ({listed}); the server resizes every "
+            "image one way, so serve them from separate servers"
+        )
+    return budgets.pop() if budgets else ImageBudget()
 
 
 def server_command(
@@ -52,8 +67,9 @@ def server_command(
 
     LoRA slots are sized for the largest adapter (rounded up to a rank vLLM accepts) or `max_lora_rank` for
     adapters loaded later; `--enable-tower-connector-lora` is on when an adapter trains the vision merger
-    (or `tower_connector_lora`), since without it vLLM silently serves the merger untrained. `extra` comes
-    last, so a flag repeated there wins.
+    (or `tower_connector_lora`), since without it vLLM silently serves the merger untrained. Images are
+    resized into the adapters' image budget (`serving_budget`), with at most its number of images per
+    prompt, as in training. `extra` comes last, so a flag repeated there wins.
     """
     needed = max((a.max_lora_rank for a in adapters), default=DEFAULT_RUNTIME_RANK)
     if max_lora_rank is not None and max_lora_rank < needed:
@@ -66,6 +82,9 @@ def server_command(
         cmd += ["--lora-modules", *(f"{a.name}={a.path}" for a in adapters)]
     if tower_connector_lora or any(a.tower_connector_lora for a in adapters):
         cmd.append("--enable-tower-connector-lora")
+    budget = serving_budget(adapters)
+    cmd += ["--mm-processor-kwargs", json.dumps(budget.vllm_processor_kwargs()),
+            "--limit-mm-per-prompt", json.dumps(budget.vllm_mm_limit())]  # fmt: skip
     if cpu:
         cmd += ["--dtype", "float32", "--max-model-len", str(CPU_MAX_MODEL_LEN)]
     cmd += ["--host", host, "--port", str(port), *extra]

@@ -27,6 +27,7 @@ import torch
 from visionrl import metrics as tags
 from visionrl.algo import aggregate, kl_penalty, masked_mean, policy_loss, rollout_correction
 from visionrl.config import JobConfig
+from visionrl.data.images import ImageBudget
 from visionrl.models.loader import (
     apply_lora,
     load_base_model,
@@ -105,7 +106,7 @@ class Learner:
         if cfg.train.torch_threads:
             torch.set_num_threads(cfg.train.torch_threads)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.processor = load_processor(cfg.model.path)
+        self.processor = load_processor(cfg.model.path, ImageBudget.of(cfg.data))
         base = load_base_model(cfg.model.path, cfg.model.dtype, self.device, cfg.model.attn_implementation)
         self.model = apply_lora(base, cfg.lora, seed=cfg.train.seed)
         if cfg.model.gradient_checkpointing:
