@@ -16,8 +16,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Fixtures that load a model or start a server (also a fake one). A test that uses one, directly or through
 # another fixture, is `slow`, so `make test-fast` runs only pure tests.
 SLOW_FIXTURES = frozenset(
-    {"tiny_model", "tiny_qwen25_model", "pretrained_tiny_model", "models", "tiny", "fake_server", "adapter_api",
-     "endpoint"}  # fmt: skip
+    {"tiny_model", "tiny_qwen25_model", "pretrained_tiny_model", "models", "tiny"}
+    | {"fake_server", "adapter_api", "endpoint"}
 )
 
 

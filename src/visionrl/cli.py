@@ -242,7 +242,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("dir")
     # The names are the models' `model_type` (models.tiny.ARCHS), listed here so that --help stays instant.
     sp.add_argument(
-        "--arch", choices=("qwen3_vl", "qwen2_5_vl"), default="qwen3_vl", help="architecture (default qwen3_vl)"
+        "--arch",
+        choices=("qwen3_vl", "qwen2_5_vl"),
+        default="qwen3_vl",
+        help="architecture (default qwen3_vl)",
     )
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--no-pretrain", action="store_true", help="random weights only (no short pre-training)")

@@ -23,7 +23,9 @@ from visionrl.rewards.registry import RewardConfigError, RewardSpec, resolve_rew
 LM_PROJECTIONS = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
 # The vision->language merger: Qwen3-VL's `linear_fc1/fc2` (and its deepstack mergers), Qwen2.5-VL's `mlp.0/2`.
 # vLLM applies LoRA there only with `enable_tower_connector_lora=True` (docs/ENGINE_NOTES.md).
-MERGER_PROJECTIONS = r".*visual\.((merger|deepstack_merger_list\.\d+)\.(linear_fc1|linear_fc2)|merger\.mlp\.(0|2))"
+MERGER_PROJECTIONS = (
+    r".*visual\.((merger|deepstack_merger_list\.\d+)\.(linear_fc1|linear_fc2)|merger\.mlp\.(0|2))"
+)
 
 
 class _Section(BaseModel):

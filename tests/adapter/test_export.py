@@ -352,7 +352,9 @@ def test_qwen2_5_vl_merger_names_are_the_connector_not_the_tower() -> None:
     }
     merger = check_servable(_cfg(), tensors)
     assert merger["ok"] and merger["tower_connector_lora"] and merger["targets"] == {"connector": 2}
-    blocks = check_servable(_cfg(), {"base_model.model.model.visual.blocks.0.mlp.gate_proj.lora_A.weight": "F32"})
+    blocks = check_servable(
+        _cfg(), {"base_model.model.model.visual.blocks.0.mlp.gate_proj.lora_A.weight": "F32"}
+    )
     assert not blocks["ok"] and blocks["targets"] == {"vision_tower": 1}
 
 
@@ -363,7 +365,9 @@ def test_lm_head_lora_is_a_problem_on_a_qwen2_5_vl_base_only() -> None:
         assert check_servable(config, model_type=model_type)["ok"], model_type
     result = check_servable(config, model_type="qwen2_5_vl")
     assert not result["ok"]
-    assert any("lm_head of a qwen2_5_vl base" in p and "lora.train_lm_head: false" in p for p in result["problems"])
+    assert any(
+        "lm_head of a qwen2_5_vl base" in p and "lora.train_lm_head: false" in p for p in result["problems"]
+    )
     assert check_servable(_cfg(), model_type="qwen2_5_vl")["ok"]  # without lm_head: fine
 
 

@@ -22,7 +22,10 @@ from visionrl.rollout.vllm_platform import VLLM_LORA_RANKS, vllm_max_lora_rank
 _MODULE_KINDS: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("language_model", re.compile(r"(^|\.)language_model\.(.+\.)?(q|k|v|o|gate|up|down)_proj$")),
     ("lm_head", re.compile(r"(^|\.)lm_head$")),
-    ("connector", re.compile(r"(^|\.)visual\.((merger|deepstack_merger_list\.\d+)\.linear_fc[12]|merger\.mlp\.[02])$")),
+    (
+        "connector",
+        re.compile(r"(^|\.)visual\.((merger|deepstack_merger_list\.\d+)\.linear_fc[12]|merger\.mlp\.[02])$"),
+    ),
     ("vision_tower", re.compile(r"(^|\.)visual\.")),
 )
 

@@ -148,7 +148,11 @@ def _tiny_qwen2_5_vl_config(vocab_size: int, token_ids: dict[str, int]) -> dict:
             "num_key_value_heads": 1,
             "max_position_embeddings": 4096,
             "rms_norm_eps": 1e-6,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [4, 6, 6]},
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 1_000_000.0,
+                "mrope_section": [4, 6, 6],
+            },
             "bos_token_id": None,
             "eos_token_id": token_ids["<|im_end|>"],
             "pad_token_id": token_ids["<|endoftext|>"],
