@@ -1,6 +1,6 @@
 """Load a Qwen3-VL or Qwen2.5-VL base model and processor from a checkpoint directory, and put LoRA on it.
 
-The same code takes the tiny test models and Qwen3-VL-8B-Instruct / Qwen2.5-VL-7B-Instruct: all are plain
+The same code takes the tiny test models and real checkpoints (Qwen3-VL-8B-Instruct): all are plain
 checkpoint directories (hub-format configs, old `rope_scaling`/`torch_dtype` spellings included, are read by
 transformers). Both architectures share what the learner relies on: `model.visual` (vision tower + merger),
 `model.language_model`, `lm_head`, and M-RoPE positions computed from `mm_token_type_ids` (docs/ENGINE_NOTES.md).
