@@ -1,4 +1,4 @@
-"""Shared fixtures: a tiny Qwen3-VL (built once per session) and a small synthetic data set."""
+"""Shared fixtures: a tiny Qwen3-VL and a tiny Qwen2.5-VL (built once per session) and a small synthetic data set."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Fixtures that load a model or start a server (also a fake one). A test that uses one, directly or through
 # another fixture, is `slow`, so `make test-fast` runs only pure tests.
 SLOW_FIXTURES = frozenset(
-    {"tiny_model", "pretrained_tiny_model", "models", "tiny", "fake_server", "adapter_api", "endpoint"}
+    {"tiny_model", "tiny_qwen25_model", "pretrained_tiny_model", "models", "tiny"}
+    | {"fake_server", "adapter_api", "endpoint"}
 )
 
 
@@ -32,6 +33,14 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from visionrl.models.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen25_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-weight tiny Qwen2.5-VL checkpoint (`init-tiny-model --arch qwen2_5_vl`)."""
+    from visionrl.models.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-q25") / "model", seed=0, arch="qwen2_5_vl")
 
 
 @pytest.fixture(scope="session")

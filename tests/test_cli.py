@@ -66,6 +66,21 @@ def test_subcommand_help_exits_zero(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--num-train" in capsys.readouterr().out
 
 
+def test_init_tiny_model_arch_choices_are_the_factory_architectures() -> None:
+    """`--arch` lists the factory's architectures (spelled out in the CLI so that --help stays instant);
+    Qwen3-VL is the default, an unknown name is a usage error (exit 2)."""
+    from visionrl.models.tiny import ARCHS, DEFAULT_ARCH
+
+    parser = build_parser()
+    assert parser.parse_args(["init-tiny-model", "d"]).arch == DEFAULT_ARCH == "qwen3_vl"
+    assert set(ARCHS) == {"qwen3_vl", "qwen2_5_vl"}
+    for arch in ARCHS:
+        assert parser.parse_args(["init-tiny-model", "d", "--arch", arch]).arch == arch
+    with pytest.raises(SystemExit) as info:
+        parser.parse_args(["init-tiny-model", "d", "--arch", "llava"])
+    assert info.value.code == 2
+
+
 # --------------------------------------------------------------------------- validate
 
 

@@ -36,8 +36,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 def _cmd_init_tiny_model(args: argparse.Namespace) -> int:
     from visionrl.models.tiny import build_tiny_model
 
-    out = build_tiny_model(args.dir, seed=args.seed, pretrain=not args.no_pretrain)
-    print(f"tiny Qwen3-VL written to {out}")
+    out = build_tiny_model(args.dir, seed=args.seed, pretrain=not args.no_pretrain, arch=args.arch)
+    print(f"tiny {args.arch} model written to {out}")
     return 0
 
 
@@ -273,9 +273,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serving_commands(add)
 
     sp = add(
-        "init-tiny-model", _cmd_init_tiny_model, "Write a tiny Qwen3-VL checkpoint (for tests and the demo)."
+        "init-tiny-model",
+        _cmd_init_tiny_model,
+        "Write a tiny Qwen3-VL (or Qwen2.5-VL) checkpoint (for tests and the demo).",
     )
     sp.add_argument("dir")
+    # The names are the models' `model_type` (models.tiny.ARCHS), listed here so that --help stays instant.
+    sp.add_argument(
+        "--arch",
+        choices=("qwen3_vl", "qwen2_5_vl"),
+        default="qwen3_vl",
+        help="architecture (default qwen3_vl)",
+    )
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--no-pretrain", action="store_true", help="random weights only (no short pre-training)")
 

@@ -22,9 +22,11 @@ from visionrl.rewards.registry import RewardConfigError, RewardSpec, resolve_rew
 # Default LoRA targets: the language model's projections only (never the vision blocks, whose
 # `mlp.linear_fc1/fc2` names would also match a bare suffix).
 LM_PROJECTIONS = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
-# The vision->language merger (and deepstack mergers) of Qwen3-VL; vLLM applies LoRA there only with
-# `enable_tower_connector_lora=True` (docs/ENGINE_NOTES.md).
-MERGER_PROJECTIONS = r".*visual\.(merger|deepstack_merger_list\.\d+)\.(linear_fc1|linear_fc2)"
+# The vision->language merger: Qwen3-VL's `linear_fc1/fc2` (and its deepstack mergers), Qwen2.5-VL's `mlp.0/2`.
+# vLLM applies LoRA there only with `enable_tower_connector_lora=True` (docs/ENGINE_NOTES.md).
+MERGER_PROJECTIONS = (
+    r".*visual\.((merger|deepstack_merger_list\.\d+)\.(linear_fc1|linear_fc2)|merger\.mlp\.(0|2))"
+)
 
 
 class _Section(BaseModel):
@@ -33,7 +35,7 @@ class _Section(BaseModel):
 
 class ModelConfig(_Section):
     path: str = Field(
-        description="Base model: a Qwen3-VL checkpoint directory (or hub id where hubs are reachable)."
+        description="Base model: a Qwen3-VL or Qwen2.5-VL checkpoint directory (or hub id where hubs are reachable)."
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "bfloat16",

@@ -340,8 +340,35 @@ def test_merger_targets_need_the_tower_connector_flag() -> None:
     assert result["ok"], result["problems"]
     assert result["tower_connector_lora"]
     assert any("--enable-tower-connector-lora" in note for note in result["notes"])
-    assert result["targets"] == {"language_model": 7, "connector": 4}
+    # The representative names: Qwen3-VL's merger and deepstack merger (2 linears each) + Qwen2.5-VL's mlp.0/2.
+    assert result["targets"] == {"language_model": 7, "connector": 6}
     assert not check_servable(_cfg())["tower_connector_lora"]
+
+
+def test_qwen2_5_vl_merger_names_are_the_connector_not_the_tower() -> None:
+    """Qwen2.5-VL's merger is `visual.merger.mlp.0/2`; its vision blocks' `mlp.gate_proj` stays the tower."""
+    tensors = {
+        f"base_model.model.model.visual.merger.mlp.{i}.lora_{ab}.weight": "F32" for i in (0, 2) for ab in "AB"
+    }
+    merger = check_servable(_cfg(), tensors)
+    assert merger["ok"] and merger["tower_connector_lora"] and merger["targets"] == {"connector": 2}
+    blocks = check_servable(
+        _cfg(), {"base_model.model.model.visual.blocks.0.mlp.gate_proj.lora_A.weight": "F32"}
+    )
+    assert not blocks["ok"] and blocks["targets"] == {"vision_tower": 1}
+
+
+def test_lm_head_lora_is_a_problem_on_a_qwen2_5_vl_base_only() -> None:
+    """vLLM 0.32 loads no LoRA on Qwen2.5-VL's lm_head (docs/ENGINE_NOTES.md); on Qwen3-VL it does."""
+    config = _cfg(target_modules=f"(?:{LM_PROJECTIONS})|(?:lm_head)")
+    for model_type in (None, "qwen3_vl"):
+        assert check_servable(config, model_type=model_type)["ok"], model_type
+    result = check_servable(config, model_type="qwen2_5_vl")
+    assert not result["ok"]
+    assert any(
+        "lm_head of a qwen2_5_vl base" in p and "lora.train_lm_head: false" in p for p in result["problems"]
+    )
+    assert check_servable(_cfg(), model_type="qwen2_5_vl")["ok"]  # without lm_head: fine
 
 
 def test_list_targets_on_the_language_model_are_servable() -> None:

@@ -210,6 +210,23 @@ def test_unservable_adapter_and_bad_names_are_refused(tmp_path: Path) -> None:
         served_adapter("two words", _make_adapter(tmp_path / "ok"))
 
 
+def test_lm_head_lora_is_refused_when_the_manifest_names_a_qwen2_5_vl_base(tmp_path: Path) -> None:
+    """vLLM takes no LoRA on Qwen2.5-VL's lm_head (docs/ENGINE_NOTES.md): an export whose manifest records such a
+    base is refused before any server starts; the same adapter on a Qwen3-VL base, or without a manifest, is not."""
+    folder = _make_adapter(tmp_path / "head")
+    save_file({f"base_model.model.lm_head.lora_{ab}.weight": torch.ones(2, 2) for ab in "AB"},
+              str(folder / "adapter_model.safetensors"))  # fmt: skip
+    assert served_adapter("plain", folder).max_lora_rank == 8  # no manifest: no architecture rule
+    for model_type, refused in (("qwen3_vl", False), ("qwen2_5_vl", True)):
+        manifest = {"base_model": {"model_type": model_type}}
+        (folder / MANIFEST_NAME).write_text(json.dumps(manifest))
+        if refused:
+            with pytest.raises(ExportError, match="lm_head of a qwen2_5_vl base.*train_lm_head: false"):
+                served_adapter("head", folder)
+        else:
+            assert served_adapter("head", folder).name == "head"
+
+
 @pytest.mark.parametrize(("adapters", "fragment"), [
     (["color"], "is not NAME=SRC"), (["=s3://b/p"], "is not NAME=SRC"), (["a=x", "a=y"], "given twice"),
 ])  # fmt: skip

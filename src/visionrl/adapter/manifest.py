@@ -145,11 +145,12 @@ def build_manifest(
             digest, size = sha256_stream(f)
         files[path.name] = {"sha256": digest, "bytes": size}
     base_dir = Path(base_model)
+    base_info = _base_model_info(base_model)
     return {
         "format_version": FORMAT_VERSION,
         "created": datetime.now(UTC).isoformat(),
         "visionrl_version": __version__,
-        "base_model": _base_model_info(base_model),
+        "base_model": base_info,
         "processor": processor_settings(base_dir) if base_dir.is_dir() else None,
         # Every image is resized into these bounds in training; serving and evaluation apply the same ones.
         "images": _image_settings(job_config),
@@ -160,7 +161,7 @@ def build_manifest(
         "training": job_config,
         "eval": eval_results,
         "files": files,
-        "serving": check_servable(adapter_config, tensors),
+        "serving": check_servable(adapter_config, tensors, base_info["model_type"]),
     }
 
 

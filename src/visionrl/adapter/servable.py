@@ -1,7 +1,7 @@
 """Would `vllm serve --enable-lora` apply a peft LoRA adapter exactly as it was trained?
 
 A pure check of an adapter's `adapter_config.json` (and, when at hand, the names and dtypes of the
-tensors in its `adapter_model.safetensors`) against what vLLM loads and applies for Qwen3-VL: the allowed
+tensors in its `adapter_model.safetensors`) against what vLLM loads and applies for Qwen3-VL and Qwen2.5-VL: the allowed
 `max_lora_rank` values, the modules vLLM puts LoRA on (language-model projections, `lm_head`, and the
 vision merger behind `--enable-tower-connector-lora`; never the vision tower blocks), and peft features
 vLLM refuses. Export runs it before every export and serving before every adapter; no I/O happens here.
@@ -22,18 +22,23 @@ from visionrl.rollout.vllm_platform import VLLM_LORA_RANKS, vllm_max_lora_rank
 _MODULE_KINDS: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("language_model", re.compile(r"(^|\.)language_model\.(.+\.)?(q|k|v|o|gate|up|down)_proj$")),
     ("lm_head", re.compile(r"(^|\.)lm_head$")),
-    ("connector", re.compile(r"(^|\.)visual\.(merger|deepstack_merger_list\.\d+)\.linear_fc[12]$")),
+    (
+        "connector",
+        re.compile(r"(^|\.)visual\.((merger|deepstack_merger_list\.\d+)\.linear_fc[12]|merger\.mlp\.[02])$"),
+    ),
     ("vision_tower", re.compile(r"(^|\.)visual\.")),
 )
 
-# Representative module names of a Qwen3-VL, used to decide what a target regex matches when the adapter's
-# weights (the exact source of truth) are not at hand.
-QWEN3_VL_MODULE_NAMES = (
+# Representative module names of a Qwen3-VL (and Qwen2.5-VL's merger, its only names outside Qwen3-VL's that vLLM
+# applies LoRA to), used to decide what a target regex matches when the adapter's weights (the exact source of
+# truth) are not at hand.
+QWEN_VL_MODULE_NAMES = (
     *(f"model.language_model.layers.0.self_attn.{p}_proj" for p in "qkvo"),
     *(f"model.language_model.layers.0.mlp.{p}_proj" for p in ("gate", "up", "down")),
     *("model.language_model.embed_tokens", "lm_head", "model.visual.patch_embed.proj"),
     *(f"model.visual.blocks.0.{p}" for p in ("attn.qkv", "attn.proj", "mlp.linear_fc1", "mlp.linear_fc2")),
     *(f"model.visual.{m}.linear_fc{i}" for m in ("merger", "deepstack_merger_list.0") for i in (1, 2)),
+    *(f"model.visual.merger.mlp.{i}" for i in (0, 2)),
 )
 
 # peft adapter_config fields that vLLM refuses (or would serve with a different meaning), with the fix.
@@ -47,6 +52,10 @@ _UNSUPPORTED_FEATURES: tuple[tuple[str, str], ...] = (
 )
 # Inits that rewrite the base weights when peft loads the adapter; vLLM serves the unmodified base.
 _BASE_MODIFYING_INITS = ("pissa", "olora", "corda", "loftq")
+# Base architectures (config.json model_type) whose lm_head vLLM 0.32 takes no LoRA on: Qwen2.5-VL's language model
+# (vLLM's Qwen2ForCausalLM) declares no LoRA embedding modules, and an adapter with lm_head LoRA fails to load
+# ("expected target modules in ...", docs/ENGINE_NOTES.md).
+NO_LM_HEAD_LORA = frozenset({"qwen2_5_vl"})
 _LORA_KEY = re.compile(
     r"^(?P<module>.+)\.(lora_A|lora_B)(\.[^.]+)?\.weight$|^(?P<emb>.+)\.lora_embedding_[AB]$"
 )
@@ -112,14 +121,17 @@ def _feature_problems(adapter_config: Mapping[str, Any]) -> list[str]:
 
 
 def check_servable(
-    adapter_config: Mapping[str, Any], tensors: Mapping[str, str] | None = None
+    adapter_config: Mapping[str, Any],
+    tensors: Mapping[str, str] | None = None,
+    model_type: str | None = None,
 ) -> dict[str, Any]:
     """Whether vLLM serves this peft adapter as trained, and with which server flags.
 
     `tensors` maps the adapter's safetensors keys to their dtypes (`visionrl.adapter.files.read_safetensors_header`):
     with it the targeted modules are read exactly from the weights; without it the target_modules setting is
-    matched against representative Qwen3-VL module names. Returns {"ok", "problems", "notes",
+    matched against representative Qwen-VL module names. Returns {"ok", "problems", "notes",
     "max_lora_rank" (0 when no vLLM value fits), "tower_connector_lora", "targets" (module kind -> count)}.
+    `model_type` (the base model's, when known) adds the rules of one architecture (NO_LM_HEAD_LORA).
     """
     problems = _feature_problems(adapter_config)
     notes: list[str] = []
@@ -144,7 +156,7 @@ def check_servable(
     if tensors is not None:
         modules = adapter_module_names(tensors)
     else:
-        modules = _targeted_modules(adapter_config.get("target_modules"), QWEN3_VL_MODULE_NAMES)
+        modules = _targeted_modules(adapter_config.get("target_modules"), QWEN_VL_MODULE_NAMES)
     kinds = _classify_modules(modules)
     if not modules:
         problems.append(
@@ -159,6 +171,11 @@ def check_servable(
         problems.append(
             f"vLLM does not apply LoRA to {_shown(kinds['other'])}; retrain without them (LoRA targets vLLM applies: "
             "language-model projections, lm_head, the vision merger)"
+        )
+    if kinds["lm_head"] and model_type in NO_LM_HEAD_LORA:
+        problems.append(
+            f"vLLM does not load LoRA on the lm_head of a {model_type} base (its language model takes no LoRA "
+            "there); retrain with lora.train_lm_head: false"
         )
     tower = bool(kinds["connector"])
     if tower:

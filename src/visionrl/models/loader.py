@@ -1,7 +1,9 @@
-"""Load a Qwen3-VL base model and processor from a checkpoint directory, and put LoRA on it.
+"""Load a Qwen3-VL or Qwen2.5-VL base model and processor from a checkpoint directory, and put LoRA on it.
 
-The same code takes the tiny test model and Qwen3-VL-8B-Instruct: both are plain checkpoint directories
-(hub-format configs, old `rope_scaling`/`torch_dtype` spellings included, are read by transformers).
+The same code takes the tiny test models and real checkpoints (Qwen3-VL-8B-Instruct): all are plain
+checkpoint directories (hub-format configs, old `rope_scaling`/`torch_dtype` spellings included, are read by
+transformers). Both architectures share what the learner relies on: `model.visual` (vision tower + merger),
+`model.language_model`, `lm_head`, and M-RoPE positions computed from `mm_token_type_ids` (docs/ENGINE_NOTES.md).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from visionrl.adapter.files import target_regex
+from visionrl.adapter.servable import NO_LM_HEAD_LORA
 from visionrl.config import LM_PROJECTIONS, MERGER_PROJECTIONS, LoraConfig
 from visionrl.data.images import ImageBudget
 from visionrl.errors import InputError
@@ -20,7 +23,7 @@ if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel, ProcessorMixin
 
-SUPPORTED_MODEL_TYPES = ("qwen3_vl",)
+SUPPORTED_MODEL_TYPES = ("qwen3_vl", "qwen2_5_vl")
 LM_HEAD = "lm_head"
 
 
@@ -109,12 +112,24 @@ def lora_target_regex(cfg: LoraConfig) -> str:
     return "|".join(f"(?:{p})" for p in parts)
 
 
+def check_lora_for_model(model_type: str, cfg: LoraConfig) -> None:
+    """Refuse LoRA settings whose adapter vLLM could not take on this architecture (rollouts and serving would
+    not follow the trained policy): lm_head LoRA on Qwen2.5-VL (`visionrl.adapter.servable.NO_LM_HEAD_LORA`)."""
+    if cfg.train_lm_head and model_type in NO_LM_HEAD_LORA:
+        raise InputError(
+            f"lora.train_lm_head=true on a {model_type} base: vLLM does not load LoRA on its lm_head (the adapter "
+            "would fail in the rollout engine and the server); set lora.train_lm_head: false "
+            "(docs/ENGINE_NOTES.md, Qwen2.5-VL)"
+        )
+
+
 def apply_lora(model: PreTrainedModel, cfg: LoraConfig, seed: int = 0) -> Any:
     """Wrap `model` in a peft LoRA model (only the adapter is trainable). Deterministic for a seed."""
     import torch
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
+    check_lora_for_model(model.config.model_type, cfg)
     targets = lora_target_regex(cfg)
     # Checked here (peft full-matches the same regex) so that the user gets an InputError naming the config
     # key, not peft's own error.

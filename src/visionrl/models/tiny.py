@@ -1,10 +1,11 @@
-"""Build a tiny, randomly initialised Qwen3-VL checkpoint that loads like a real one.
+"""Build a tiny, randomly initialised Qwen3-VL (default) or Qwen2.5-VL checkpoint that loads like a real one.
 
 No model hub is reachable on the development machines, so tests and the demo make their own base model:
-a Qwen3-VL with the real architecture (vision tower, merger, deepstack, M-RoPE text model) scaled down to
-~250K parameters, a word-level tokenizer trained here with `tokenizers`, and the processor, chat template
-and generation config of a normal checkpoint. Stock `AutoModelForImageTextToText.from_pretrained(DIR)`,
-`AutoProcessor.from_pretrained(DIR)` and vLLM load the directory.
+a Qwen3-VL or Qwen2.5-VL with the real architecture (vision tower, merger, deepstack for Qwen3-VL, windowed
+vision attention for Qwen2.5-VL, M-RoPE text model) scaled down to ~250K parameters, a word-level tokenizer
+trained here with `tokenizers`, and the processor, chat template and generation config of a normal checkpoint.
+Stock `AutoModelForImageTextToText.from_pretrained(DIR)`, `AutoProcessor.from_pretrained(DIR)` and vLLM load
+the directory.
 
 The shapes follow docs/ENGINE_NOTES.md: they satisfy both transformers' and vLLM's CPU kernels (head_dim 32,
 mrope_section summing to head_dim/2, out_hidden_size == text hidden size).
@@ -53,9 +54,31 @@ CHAT_TEMPLATE = (
 
 VOCAB_MULTIPLE = 64  # the model's vocab equals the tokenizer's, padded with unused tokens to this multiple
 
+# The tiny architectures (model_type values): transformers' config, model and processor classes, the vision
+# patch size. Qwen3-VL is the default everywhere.
+ARCHS: dict[str, dict[str, Any]] = {
+    "qwen3_vl": {
+        "config": "Qwen3VLConfig",
+        "model": "Qwen3VLForConditionalGeneration",
+        "processor": "Qwen3VLProcessor",
+        "video_processor": "Qwen3VLVideoProcessor",
+        "patch": 16,
+    },
+    "qwen2_5_vl": {
+        "config": "Qwen2_5_VLConfig",
+        "model": "Qwen2_5_VLForConditionalGeneration",
+        "processor": "Qwen2_5_VLProcessor",
+        "video_processor": "Qwen2VLVideoProcessor",
+        "patch": 14,
+    },
+}
+DEFAULT_ARCH = "qwen3_vl"
 
-def tiny_config_dict(vocab_size: int, token_ids: dict[str, int]) -> dict:
-    """The config of the tiny model (see docs/ENGINE_NOTES.md for why each number)."""
+
+def tiny_config_dict(vocab_size: int, token_ids: dict[str, int], arch: str = DEFAULT_ARCH) -> dict:
+    """The config of the tiny model of `arch` (see docs/ENGINE_NOTES.md for why each number)."""
+    if arch == "qwen2_5_vl":
+        return _tiny_qwen2_5_vl_config(vocab_size, token_ids)
     return {
         "architectures": ["Qwen3VLForConditionalGeneration"],
         "model_type": "qwen3_vl",
@@ -103,6 +126,56 @@ def tiny_config_dict(vocab_size: int, token_ids: dict[str, int]) -> dict:
     }
 
 
+def _tiny_qwen2_5_vl_config(vocab_size: int, token_ids: dict[str, int]) -> dict:
+    """Qwen2.5-VL scaled down like the Qwen3-VL above. Its text model has no head_dim key (hidden / heads = 32)
+    and plain (not interleaved) M-RoPE: [4, 6, 6] is the real [16, 24, 24] over head_dim 32. Its vision tower
+    has no deepstack; window attention (112-pixel windows, full attention in the last block), patch 14."""
+    return {
+        "architectures": [ARCHS["qwen2_5_vl"]["model"]],
+        "model_type": "qwen2_5_vl",
+        "image_token_id": token_ids["<|image_pad|>"],
+        "video_token_id": token_ids["<|video_pad|>"],
+        "vision_start_token_id": token_ids["<|vision_start|>"],
+        "vision_end_token_id": token_ids["<|vision_end|>"],
+        "tie_word_embeddings": False,
+        "text_config": {
+            "model_type": "qwen2_5_vl_text",
+            "vocab_size": vocab_size,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-6,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 1_000_000.0,
+                "mrope_section": [4, 6, 6],
+            },
+            "bos_token_id": None,
+            "eos_token_id": token_ids["<|im_end|>"],
+            "pad_token_id": token_ids["<|endoftext|>"],
+            "dtype": "float32",
+        },
+        "vision_config": {
+            "model_type": "qwen2_5_vl_vision",
+            "depth": 2,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_heads": 2,
+            "patch_size": ARCHS["qwen2_5_vl"]["patch"],
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "window_size": 112,
+            "fullatt_block_indexes": [1],
+            "out_hidden_size": 64,
+            "tokens_per_second": 2,
+        },
+        "dtype": "float32",
+    }
+
+
 def save_qwen_tokenizer(tok: Any, out_dir: Path, model_max_length: int) -> None:
     """Save a `tokenizers.Tokenizer` as the fast tokenizer Qwen3VLProcessor and vLLM expect: Qwen's special-token
     names, left padding, the chat template."""
@@ -126,14 +199,19 @@ def save_qwen_tokenizer(tok: Any, out_dir: Path, model_max_length: int) -> None:
     fast.save_pretrained(out_dir)
 
 
-def save_qwen_processor(out_dir: Path, *, patch: int, merge: int, min_pixels: int, max_pixels: int) -> Any:
-    """Write the Qwen3-VL processor (image and video processors, mean = std = 0.5, the chat template) next to the
-    tokenizer already saved in `out_dir`."""
-    from transformers import AutoTokenizer, Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
+def save_qwen_processor(
+    out_dir: Path, *, patch: int, merge: int, min_pixels: int, max_pixels: int, arch: str = DEFAULT_ARCH
+) -> Any:
+    """Write the processor of `arch` (image and video processors, mean = std = 0.5, the chat template) next to
+    the tokenizer already saved in `out_dir`."""
+    import transformers
+    from transformers import AutoTokenizer, Qwen2VLImageProcessor
 
+    processor_cls = getattr(transformers, ARCHS[arch]["processor"])
+    video_cls = getattr(transformers, ARCHS[arch]["video_processor"])
     common = {"patch_size": patch, "merge_size": merge, "temporal_patch_size": 2}
     norm = {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
-    processor = Qwen3VLProcessor(
+    processor = processor_cls(
         image_processor=Qwen2VLImageProcessor(
             **common,
             **norm,
@@ -142,7 +220,7 @@ def save_qwen_processor(out_dir: Path, *, patch: int, merge: int, min_pixels: in
             size={"shortest_edge": min_pixels, "longest_edge": max_pixels},
         ),
         tokenizer=AutoTokenizer.from_pretrained(out_dir),
-        video_processor=Qwen3VLVideoProcessor(**common, **norm),
+        video_processor=video_cls(**common, **norm),
         chat_template=CHAT_TEMPLATE,
     )
     processor.save_pretrained(out_dir)
@@ -174,32 +252,41 @@ def train_tokenizer(words: list[str], out_dir: Path) -> dict[str, int]:
 
 
 def build_tiny_model(
-    out_dir: str | Path, seed: int = 0, extra_words: list[str] | None = None, pretrain: bool = False
+    out_dir: str | Path,
+    seed: int = 0,
+    extra_words: list[str] | None = None,
+    pretrain: bool = False,
+    arch: str = DEFAULT_ARCH,
 ) -> Path:
-    """Write a tiny Qwen3-VL checkpoint directory (config, safetensors, tokenizer, processor, template).
+    """Write a tiny checkpoint directory of `arch` (a key of ARCHS): config, safetensors, tokenizer, processor,
+    template.
 
     `pretrain=True` adds the short supervised pre-training of `models/pretrain.py` (about half a minute),
     giving a base that reads images and answers in format, as real bases do.
     """
     import torch
-    from transformers import (
-        GenerationConfig,
-        Qwen3VLConfig,
-        Qwen3VLForConditionalGeneration,
-    )
+    import transformers
+    from transformers import GenerationConfig
 
     from visionrl.data.synthetic import task_vocabulary
 
+    if arch not in ARCHS:
+        raise ValueError(f"unknown tiny-model architecture {arch!r}; use one of {', '.join(ARCHS)}")
+    classes = ARCHS[arch]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     vocab = train_tokenizer(task_vocabulary() + list(extra_words or []), out)
-    config = Qwen3VLConfig(**tiny_config_dict(len(vocab), vocab))
+    config = getattr(transformers, classes["config"])(**tiny_config_dict(len(vocab), vocab, arch))
 
     torch.manual_seed(seed)
-    model = Qwen3VLForConditionalGeneration(config).to(torch.float32).eval()
+    model = getattr(transformers, classes["model"])(config).to(torch.float32).eval()
 
-    processor = save_qwen_processor(out, patch=16, merge=2, min_pixels=32 * 32, max_pixels=448 * 448)
-    info: dict = {"seed": seed, "kind": "tiny-qwen3-vl", "pretrained": pretrain}
+    # The smallest image keeps one merged token per side (patch x merge pixels); 448 is a multiple of 16*2 and 14*2.
+    patch = classes["patch"]
+    processor = save_qwen_processor(
+        out, patch=patch, merge=2, min_pixels=(2 * patch) ** 2, max_pixels=448 * 448, arch=arch
+    )
+    info: dict = {"seed": seed, "kind": f"tiny-{arch.replace('_', '-')}", "pretrained": pretrain}
     if pretrain:
         from visionrl.models.pretrain import pretrain_tiny
 

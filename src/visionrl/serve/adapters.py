@@ -13,7 +13,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from visionrl.adapter.fetch import fetch_adapter
-from visionrl.adapter.files import ADAPTER_WEIGHTS, ExportError, read_adapter_config, read_safetensors_header
+from visionrl.adapter.files import (
+    ADAPTER_WEIGHTS,
+    MANIFEST_NAME,
+    ExportError,
+    read_adapter_config,
+    read_json_object,
+    read_safetensors_header,
+)
 from visionrl.adapter.manifest import read_local_budget
 from visionrl.adapter.servable import check_servable
 from visionrl.data.images import ImageBudget
@@ -40,13 +47,23 @@ def _check_name(name: str) -> None:
         )
 
 
+def _base_model_type(folder: Path) -> str | None:
+    """The base model's model_type that an export's manifest records (None for a plain PEFT folder)."""
+    if not (folder / MANIFEST_NAME).is_file():
+        return None
+    base = read_json_object(folder / MANIFEST_NAME, "adapter manifest").get("base_model")
+    model_type = base.get("model_type") if isinstance(base, dict) else None
+    return model_type if isinstance(model_type, str) else None
+
+
 def served_adapter(name: str, path: str | os.PathLike[str]) -> ServedAdapter:
     """Check that vLLM serves the adapter at `path` as trained; raise ExportError with the problems if not."""
     _check_name(name)
     folder = Path(path)
     config = read_adapter_config(folder)
     weights = folder / ADAPTER_WEIGHTS
-    check = check_servable(config, read_safetensors_header(weights) if weights.is_file() else None)
+    tensors = read_safetensors_header(weights) if weights.is_file() else None
+    check = check_servable(config, tensors, _base_model_type(folder))
     if not check["ok"]:
         raise ExportError(
             f"vLLM cannot serve adapter {name!r} ({folder}) as trained:\n  - "

@@ -66,7 +66,10 @@ class SharedImages:
             return None
         index = self._plan.token_index.to(output.pooler_output.device)
         output.pooler_output = output.pooler_output.index_select(0, index)
-        output.deepstack_features = [f.index_select(0, index) for f in output.deepstack_features]
+        # Qwen3-VL's tower also returns deepstack features (one per merged token each); Qwen2.5-VL's has none.
+        deepstack = getattr(output, "deepstack_features", None)
+        if deepstack is not None:
+            output.deepstack_features = [f.index_select(0, index) for f in deepstack]
         return output
 
 
