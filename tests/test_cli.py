@@ -182,3 +182,24 @@ def test_validate_rejects_bad_rules_with_exit_2(overrides: list[str], message: s
     result = visionrl("validate", str(DEMO), *overrides)
     assert result.returncode == EXIT_BAD_INPUT
     assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_train_resume_flag_takes_nothing_or_auto(capsys: pytest.CaptureFixture[str]) -> None:
+    parse = build_parser().parse_args
+    assert parse(["train", "job.yaml"]).resume is None  # the job file's `resume` decides
+    assert parse(["train", "job.yaml", "--resume"]).resume is True
+    args = parse(["train", "job.yaml", "train.steps=3", "--resume", "auto"])
+    assert args.resume == "auto" and args.overrides == ["train.steps=3"]
+    with pytest.raises(SystemExit) as info:
+        parse(["train", "job.yaml", "--resume", "later"])
+    assert info.value.code == 2
+    assert "expected `--resume` alone or `--resume auto`, got 'later'" in capsys.readouterr().err
+
+
+def test_train_refuses_a_run_with_checkpoints_without_resume(tmp_path: Path) -> None:
+    """Fresh run into an output_dir with checkpoints: exit 2 naming both ways on, before any model loads."""
+    (tmp_path / "run" / "checkpoints" / "step_3").mkdir(parents=True)
+    result = visionrl("train", str(DEMO), f"output_dir={tmp_path / 'run'}")
+    assert result.returncode == 2, result.stderr
+    assert "holds checkpoints of an earlier run; continue it with `--resume`" in result.stderr
+    assert "`--resume auto`" in result.stderr and "Traceback" not in result.stderr

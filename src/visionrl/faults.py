@@ -44,6 +44,7 @@ def fire_once(name: str) -> bool:
         fd = os.open(Path(folder) / f"{name}.fired", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     except FileExistsError:
         return False
+    os.write(fd, str(os.getpid()).encode())  # which process it hit, for the test to check it is gone
     os.close(fd)
     return True
 

@@ -51,7 +51,9 @@ class ActorFailed(ActorProblem):
         cause = getattr(err, "cause", None) if isinstance(err, ray.exceptions.RayTaskError) else None
         self.cause: BaseException | None = cause if isinstance(cause, BaseException) else None
         self.died = isinstance(err, ray.exceptions.RayActorError)
-        self.traceback = str(getattr(err, "traceback_str", "") or err)
+        # Calls to an actor Ray is rebuilding (max_restarts) fail with this until it is back.
+        self.unavailable = isinstance(err, ray.exceptions.ActorUnavailableError)
+        self.traceback = str(getattr(err, "traceback_str", "") or "") if self.cause is not None else ""
         super().__init__(role, index, phase, self._describe(role, index, phase, err))
 
     def _describe(self, role: str, index: int, phase: str, err: BaseException) -> str:

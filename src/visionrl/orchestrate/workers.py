@@ -168,12 +168,21 @@ class Workers:
         actor = actors[problem.index]
         if isinstance(problem, ActorHung):  # a dead one is being rebuilt by Ray already (max_restarts)
             ray.kill(actor, no_restart=False)  # SIGKILL, also for a stopped process; Ray rebuilds it in place
-        timeout = self.cfg.ray.startup_timeout_s
-        place = gather([Call(actor.placement.remote(), problem.role, problem.index)], "restart", timeout,
-                       "ray.startup_timeout_s")[0]  # fmt: skip
+        place = self._wait_until_back(actor, problem.role, problem.index)
         logger.info("%s restarted: %s", problem.actor, place)
         if problem.role == ENGINE:
             self._resync(problem.index)
+
+    def _wait_until_back(self, actor: Any, role: str, index: int) -> dict[str, Any]:
+        key, deadline = "ray.startup_timeout_s", time.monotonic() + self.cfg.ray.startup_timeout_s
+        while True:
+            left = max(deadline - time.monotonic(), 0.0)
+            try:
+                return gather([Call(actor.placement.remote(), role, index)], "restart", left, key)[0]
+            except ActorFailed as failed:
+                if not failed.unavailable or time.monotonic() >= deadline:
+                    raise
+            time.sleep(1.0)
 
     def _resync(self, index: int) -> None:
         """A restarted engine must apply adapters of this run's layout and serve the learner's version."""
