@@ -162,3 +162,28 @@ def test_a_reward_past_its_timeout_scores_zero_and_the_run_goes_on(
     result = train(cfg)
     assert [h["reward/timeouts"] for h in result.history] == [8.0, 8.0]
     assert [h["reward/mean"] for h in result.history] == [0.0, 0.0]
+
+
+def test_a_prompt_vllm_refuses_is_shown_with_its_cause_and_the_traceback_logged(
+    tiny_model: Path, color_data: Path, tmp_path: Path
+) -> None:
+    """A prompt longer than rollout.max_model_len: vLLM's own validation error reaches the user with the engine,
+    the phase and what to change, not Ray's `ray::RolloutActor...` wrapper; the traceback is in the run's log."""
+    from visionrl.orchestrate.loop import train
+
+    cfg = _cfg(
+        tiny_model,
+        color_data,
+        tmp_path / "run",
+        data={"system_prompt": "red " * 400},  # 400 tokens of the word tokenizer, over max_model_len=256
+        rollout={"engine": "vllm"},
+    )
+    with pytest.raises(RunError) as err:
+        train(cfg)
+    lines = str(err.value).splitlines()
+    assert lines[0].startswith("the rollout engine 0 failed during the adapter probe: "), lines[0]
+    assert "256" in lines[0] and "ray::" not in lines[0] and "pid=" not in lines[0]
+    assert lines[2] == f"The full traceback is in {tmp_path / 'run' / 'visionrl.log'}."
+    log = (tmp_path / "run" / "visionrl.log").read_text()
+    assert "rollout engine 0 failed during the adapter probe; its traceback:" in log
+    assert "Traceback (most recent call last)" in log and "vllm" in log

@@ -72,10 +72,12 @@ def train(cfg: JobConfig, resume: ResumeMode | None = None) -> TrainResult:
 def _train(cfg: JobConfig, run: RunDir, ckpt: Path | None, prompts_in: PromptStream) -> TrainResult:
     G, spec, clock = cfg.algorithm.group_size, _sampling_spec(cfg), StepClock()
     with MetricsWriter(run.tensorboard) as tb:
-        workers = Workers(*start_actors(cfg), cfg)
-        workers.verify_delivery(
-            prompts_in.probe_prompts()
-        )  # a non-zero adapter must change the engines' output
+        try:
+            workers = Workers(*start_actors(cfg), cfg)
+            # a non-zero adapter must change the engines' output
+            workers.verify_delivery(prompts_in.probe_prompts())
+        except Preempted as early_stop:  # stopped while starting: nothing new to save
+            raise stopped(early_stop, run.root, None) from None
         watch = MismatchWatch(cfg.rollout.max_logprob_diff, cfg.rollout.max_logprob_diff_steps)
         start = saved = workers.resume(ckpt, prompts_in) if ckpt else 0
         _trim_history(run.history, start)  # steps after the checkpoint will be run again
