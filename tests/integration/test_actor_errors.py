@@ -68,7 +68,8 @@ def test_errors_inside_actors_reach_the_user_with_their_cause(tmp_path: Path) ->
         with pytest.raises(ActorFailed) as oom:
             gather([Call(actor.oom.remote(), LEARNER, 0)], "update", 60, "ray.call_timeout_s")
         # engine 1 fails while engine 0 is still busy: the failure is seen first, and named
-        slow, bad = actor.slow.remote(), _Failing.options(num_cpus=0).remote(cfg).bad_value.remote()
+        other = _Failing.options(num_cpus=0).remote(cfg)  # keep the handle: a dropped one ends the actor
+        slow, bad = actor.slow.remote(), other.bad_value.remote()
         with pytest.raises(ActorFailed) as failed:
             gather([Call(slow, ENGINE, 0), Call(bad, ENGINE, 1)], "rollout", 30, "ray.call_timeout_s")
         with pytest.raises(ActorHung) as hung:

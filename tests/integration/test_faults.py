@@ -17,11 +17,11 @@ from visionrl.errors import RunError
 pytestmark = pytest.mark.slow
 
 
-def _cfg(model: Path, data: Path, out: Path, **over: dict) -> JobConfig:
+def _cfg(model: Path, data_dir: Path, out: Path, **over: dict) -> JobConfig:
     raw = {
         "output_dir": str(out),
         "model": {"path": str(model), "dtype": "float32"},
-        "data": {"train": str(data / "train.jsonl")},
+        "data": {"train": str(data_dir / "train.jsonl")},
         "rewards": [{"name": "exact_match", "kwargs": {"first_word": True}}],
         "lora": {"rank": 8, "alpha": 16, "train_merger": True, "train_lm_head": True},
         "algorithm": {"group_size": 4},
@@ -127,9 +127,14 @@ def test_a_dead_learner_stops_the_run_with_the_checkpoint_hint(
 
 USER_REWARDS = textwrap.dedent(
     """
+    import os
     import time
 
-    def sleepy(completion, answer, record):
+    def slow_once(completion, answer, record):
+        try:  # the first call of the run, in whichever process or thread, takes 5 s; the others none
+            os.close(os.open(os.environ["SLOW_ONCE_MARKER"], os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return 1.0
         time.sleep(5)
         return 1.0
     """
@@ -140,8 +145,9 @@ USER_REWARDS = textwrap.dedent(
 def test_a_reward_past_its_timeout_scores_zero_and_the_run_goes_on(
     tiny_model: Path, color_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, isolation: str
 ) -> None:
-    """Every call of a 5 s reward with a 0.5 s timeout times out, in either runner chosen in the job file: 8
-    timeouts a step (2 prompts x 4 completions), reward 0, no hang (the thread runner used to wait forever)."""
+    """One call of a reward runs 5 s past its 0.5 s timeout, in either runner chosen in the job file: it scores
+    0 and is counted, the other 7 of the step and all of the next score 1 (the thread runner used to hang when
+    the last call to settle was a timeout)."""
     from visionrl.orchestrate.loop import train
 
     (tmp_path / "slow_rewards.py").write_text(USER_REWARDS)
@@ -149,6 +155,7 @@ def test_a_reward_past_its_timeout_scores_zero_and_the_run_goes_on(
     monkeypatch.setenv(
         "PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
     )  # ... and Ray
+    monkeypatch.setenv("SLOW_ONCE_MARKER", str(tmp_path / "slow-once"))
     cfg = _cfg(
         tiny_model,
         color_data,
@@ -156,12 +163,11 @@ def test_a_reward_past_its_timeout_scores_zero_and_the_run_goes_on(
         train={"steps": 2},
         ray={"reward_timeout_s": 0.5, "reward_isolation": isolation},
     )
-    cfg = cfg.model_copy(
-        update={"rewards": [cfg.rewards[0].model_copy(update={"name": "slow_rewards:sleepy", "kwargs": {}})]}
-    )
-    result = train(cfg)
-    assert [h["reward/timeouts"] for h in result.history] == [8.0, 8.0]
-    assert [h["reward/mean"] for h in result.history] == [0.0, 0.0]
+    slow = cfg.rewards[0].model_copy(update={"name": "slow_rewards:slow_once", "kwargs": {}})
+    result = train(cfg.model_copy(update={"rewards": [slow]}))
+    assert [h["reward/timeouts"] for h in result.history] == [1.0, 0.0]
+    assert [h["reward/errors"] for h in result.history] == [0.0, 0.0]
+    assert [h["reward/mean"] for h in result.history] == [7 / 8, 1.0]  # 2 prompts x 4 completions a step
 
 
 def test_a_prompt_vllm_refuses_is_shown_with_its_cause_and_the_traceback_logged(

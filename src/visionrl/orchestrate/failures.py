@@ -18,6 +18,10 @@ from visionrl.orchestrate.remote import ActorFailed, ActorProblem, first_line
 from visionrl.run_layout import RunDir
 
 logger = logging.getLogger(__name__)
+# For the run's log file only (not propagated to visionrl's console handler): tracebacks and the final error.
+file_only = logging.getLogger("visionrl-run-file")
+file_only.propagate = False
+file_only.setLevel(logging.INFO)
 
 
 @contextlib.contextmanager
@@ -32,9 +36,11 @@ def run_log(run: RunDir) -> Iterator[Path]:
     if root.getEffectiveLevel() > logging.INFO:
         root.setLevel(logging.INFO)
     root.addHandler(handler)
+    file_only.addHandler(handler)
     try:
         yield run.log
     finally:
+        file_only.removeHandler(handler)
         root.removeHandler(handler)
         root.setLevel(level)
         handler.close()
@@ -50,10 +56,17 @@ def resume_hint(run: Path) -> str:
 def run_error(err: BaseException, run: Path) -> RunError:
     """The RunError for a failed actor: the cause raised inside it (not Ray's wrapper), what to do, and where
     to resume from; the remote traceback goes to the log (the run's log file while `run_log` is active)."""
+    failure = _run_error(err, run)
+    file_only.error("the run failed:\n%s", failure)
+    return failure
+
+
+def _run_error(err: BaseException, run: Path) -> RunError:
     where = resume_hint(run)
-    if isinstance(err, ActorFailed) and err.traceback:
-        logger.error("%s failed during %s; its traceback:\n%s", err.actor, err.phase, err.traceback)
-    log = f"\nThe full traceback is in {RunDir(run).log}." if isinstance(err, ActorFailed) else ""
+    traceback = err.traceback if isinstance(err, ActorFailed) else ""
+    if isinstance(err, ActorFailed) and traceback:
+        file_only.error("%s failed during %s; its traceback:\n%s", err.actor, err.phase, traceback)
+    log = f"\nThe full traceback is in {RunDir(run).log}." if traceback else ""
     if isinstance(err, ActorProblem):
         cause = err.cause if isinstance(err, ActorFailed) else None
         kind = OutOfMemory if isinstance(cause, OutOfMemory) else RunError
