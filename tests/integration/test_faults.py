@@ -189,6 +189,7 @@ def test_a_prompt_vllm_refuses_is_shown_with_its_cause_and_the_traceback_logged(
     lines = str(err.value).splitlines()
     assert lines[0].startswith("the rollout engine 0 failed during the adapter probe: "), lines[0]
     assert "256" in lines[0] and "ray::" not in lines[0] and "pid=" not in lines[0]
+    assert lines[1].startswith("To fix: the engine refused a prompt") and "rollout.max_model_len" in lines[1]
     assert lines[2] == f"The full traceback is in {tmp_path / 'run' / 'visionrl.log'}."
     log = (tmp_path / "run" / "visionrl.log").read_text()
     assert "rollout engine 0 failed during the adapter probe; its traceback:" in log

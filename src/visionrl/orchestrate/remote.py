@@ -53,7 +53,9 @@ class ActorFailed(ActorProblem):
         self.died = isinstance(err, ray.exceptions.RayActorError)
         # Calls to an actor Ray is rebuilding (max_restarts) fail with this until it is back.
         self.unavailable = isinstance(err, ray.exceptions.ActorUnavailableError)
-        self.traceback = str(getattr(err, "traceback_str", "") or "") if self.cause is not None else ""
+        # The remote traceback: str() of Ray's error (its `traceback_str` is not reachable on the subclass of
+        # the cause's type that ray.get raises).
+        self.traceback = str(err) if self.cause is not None else ""
         super().__init__(role, index, phase, self._describe(role, index, phase, err))
 
     def _describe(self, role: str, index: int, phase: str, err: BaseException) -> str:
@@ -99,6 +101,7 @@ _ADVICE = {
     "fix the data or raise the limit named above",
     "reward": "the reward worker itself failed (reward functions' own errors are counted, not raised)",
 }
+_ADVICE["the adapter probe"] = _ADVICE["eval"] = _ADVICE["rollout"]  # the engine generates in these too
 
 
 def advice(role: str, phase: str) -> str:
