@@ -91,9 +91,8 @@ def _train(cfg: JobConfig, run: RunDir, ckpt: Path | None, prompts_in: PromptStr
                 got = _collect(
                     prompts_in, workers, replace(spec, seed=cfg.train.seed * 100_003 + step), cfg, clock
                 )
-            except (
-                Preempted
-            ) as signal_stop:  # nothing of this step was applied: save the one before, if not yet
+            except Preempted as signal_stop:
+                # nothing of this step was applied: save the step before (if not yet), with its data position
                 if step - 1 > saved:
                     saved = step - 1
                     workers.checkpoint(run.root, saved, prompts_in, sampler_state=position)

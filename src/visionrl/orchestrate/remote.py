@@ -9,6 +9,7 @@ gives up at once with `Preempted`.
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,7 @@ from visionrl.orchestrate import preemption
 
 LEARNER, ENGINE, REWARD = "learner", "rollout engine", "reward worker"
 POLL_S = 0.5  # how often an interruptible wait looks for a stop request
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours the traceback's header line
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,7 @@ class ActorFailed(ActorProblem):
         self.unavailable = isinstance(err, ray.exceptions.ActorUnavailableError)
         # The remote traceback: str() of Ray's error (its `traceback_str` is not reachable on the subclass of
         # the cause's type that ray.get raises).
-        self.traceback = str(err) if self.cause is not None else ""
+        self.traceback = _ANSI.sub("", str(err)) if self.cause is not None else ""
         super().__init__(role, index, phase, self._describe(role, index, phase, err))
 
     def _describe(self, role: str, index: int, phase: str, err: BaseException) -> str:
