@@ -209,3 +209,24 @@ def test_eval_with_an_inconsistent_image_budget_exits_2_before_loading_anything(
     assert exit_info.value.code == EXIT_BAD_INPUT
     err = capsys.readouterr().err
     assert "--min-pixels / --max-pixels" in err and "1 <= min_pixels <= max_pixels" in err
+
+
+def test_train_resume_flag_takes_nothing_or_auto(capsys: pytest.CaptureFixture[str]) -> None:
+    parse = build_parser().parse_args
+    assert parse(["train", "job.yaml"]).resume is None  # the job file's `resume` decides
+    assert parse(["train", "job.yaml", "--resume"]).resume is True
+    args = parse(["train", "job.yaml", "train.steps=3", "--resume", "auto"])
+    assert args.resume == "auto" and args.overrides == ["train.steps=3"]
+    with pytest.raises(SystemExit) as info:
+        parse(["train", "job.yaml", "--resume", "later"])
+    assert info.value.code == 2
+    assert "expected `--resume` alone or `--resume auto`, got 'later'" in capsys.readouterr().err
+
+
+def test_train_refuses_a_run_with_checkpoints_without_resume(tmp_path: Path) -> None:
+    """Fresh run into an output_dir with checkpoints: exit 2 naming both ways on, before any model loads."""
+    (tmp_path / "run" / "checkpoints" / "step_3").mkdir(parents=True)
+    result = visionrl("train", str(DEMO), f"output_dir={tmp_path / 'run'}")
+    assert result.returncode == 2, result.stderr
+    assert "holds checkpoints of an earlier run; continue it with `--resume`" in result.stderr
+    assert "`--resume auto`" in result.stderr and "Traceback" not in result.stderr

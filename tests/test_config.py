@@ -453,3 +453,26 @@ def test_new_algorithm_keys_and_their_checks() -> None:
         )
     with pytest.raises(ConfigError, match="algorithm.loss"):
         config_from_dict(apply_overrides(MINIMAL, ["algorithm.loss=grpo"]))
+
+
+def test_resume_and_the_reliability_keys() -> None:
+    defaults = config_from_dict(MINIMAL)
+    assert defaults.resume is False  # a fresh run by default: existing checkpoints are never silently reused
+    assert (defaults.ray.reward_isolation, defaults.ray.max_actor_restarts) == ("thread", 3)
+    assert defaults.ray.call_timeout_s == defaults.ray.startup_timeout_s == 1800.0
+    keys = [
+        "resume=auto",
+        "ray.reward_isolation=process",
+        "ray.call_timeout_s=60",
+        "ray.max_actor_restarts=0",
+    ]
+    cfg = config_from_dict(apply_overrides(MINIMAL, keys))
+    assert cfg.resume == "auto" and cfg.ray.reward_isolation == "process"
+    assert (cfg.ray.call_timeout_s, cfg.ray.max_actor_restarts) == (60.0, 0)
+    assert config_from_dict(apply_overrides(MINIMAL, ["resume=true"])).resume is True
+    with pytest.raises(ConfigError, match=r"resume"):
+        config_from_dict(apply_overrides(MINIMAL, ["resume=later"]))
+    with pytest.raises(ConfigError, match=r"ray.reward_isolation: Input should be 'thread' or 'process'"):
+        config_from_dict(apply_overrides(MINIMAL, ["ray.reward_isolation=fork"]))
+    with pytest.raises(ConfigError, match=r"ray.call_timeout_s: Input should be greater than 0"):
+        config_from_dict(apply_overrides(MINIMAL, ["ray.call_timeout_s=0"]))

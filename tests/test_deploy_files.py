@@ -13,7 +13,10 @@ REPO = Path(__file__).resolve().parents[1]
 def test_sbatch_script_runs_the_launcher_with_visionrl_train() -> None:
     text = (REPO / "deploy" / "slurm" / "visionrl.sbatch").read_text()
     assert "#SBATCH --nodes=" in text and "#SBATCH --gpus-per-node=" in text
-    assert "deploy/slurm/ray_cluster.sh -- visionrl train" in text
+    assert (
+        'deploy/slurm/ray_cluster.sh -- visionrl train "$@" --resume auto' in text
+    )  # a requeued job continues
+    assert "#SBATCH --requeue" in text and "#SBATCH --signal=B:TERM@" in text
     proc = subprocess.run(
         ["bash", "-n", str(REPO / "deploy" / "slurm" / "visionrl.sbatch")], capture_output=True
     )
@@ -25,7 +28,8 @@ def test_kuberay_job_runs_the_production_config_from_the_image() -> None:
     assert job["apiVersion"] == "ray.io/v1" and job["kind"] == "RayJob"
     spec = job["spec"]
     entry = spec["entrypoint"].split()
-    assert entry[:2] == ["visionrl", "train"]
+    assert entry[:2] == ["visionrl", "train"] and entry[-2:] == ["--resume", "auto"]  # retries continue
+    assert spec["backoffLimit"] >= 1
     config = entry[2].removeprefix("/workspace/")
     assert (REPO / config).is_file(), f"the entrypoint's job file {config} is not in the repository"
     cluster = spec["rayClusterSpec"]

@@ -4,8 +4,10 @@
 # HyperPod, whose clusters are Slurm clusters.
 #
 # Usage, inside an allocation (sbatch deploy/slurm/visionrl.sbatch ..., or salloc):
-#   deploy/slurm/ray_cluster.sh -- visionrl train configs/qwen3vl_8b_grpo_lora.yaml [key=value ...]
-# The command finds the cluster through RAY_ADDRESS (visionrl honours it: no config change needed).
+#   deploy/slurm/ray_cluster.sh -- visionrl train configs/qwen3vl_8b_grpo_lora.yaml --resume auto [key=value ...]
+# The command finds the cluster through RAY_ADDRESS (visionrl honours it: no config change needed). A SIGTERM
+# or SIGINT to this script is passed on to the command, and the cluster stays up until the command has ended
+# (visionrl checkpoints first); the script exits with the command's status.
 #
 # Environment (all optional):
 #   VISIONRL_RAY_PORT      GCS port of the head (default 6379)
@@ -48,7 +50,14 @@ cleanup() {
   for pid in "${steps[@]}"; do wait "$pid" 2>/dev/null || true; done
 }
 trap cleanup EXIT
-trap 'exit 130' INT TERM
+# SIGTERM/SIGINT (scancel, preemption, `--signal=B:TERM@...` before the time limit) go to the command first:
+# `visionrl train` checkpoints its last completed step and exits 128 + signal; only then is Ray torn down.
+cmd_pid=""
+forward() {
+  if [[ -n $cmd_pid ]]; then kill -"$1" "$cmd_pid" 2>/dev/null || true; else exit $((128 + $2)); fi
+}
+trap 'forward TERM 15' TERM
+trap 'forward INT 2' INT
 
 echo "[ray_cluster] head $head ($address), ${#nodes[@]} node(s): ${nodes[*]}"
 srun --nodes=1 --ntasks=1 -w "$head" "$RAY" start --head --block --node-ip-address="$head_ip" --port="$port" \
@@ -84,4 +93,12 @@ print(f"[ray_cluster] error: only {alive}/{want} node(s) joined in {budget:.0f} 
 sys.exit(1)
 PY
 
-RAY_ADDRESS="$address" "$@"
+RAY_ADDRESS="$address" "$@" &
+cmd_pid=$!
+# A trapped signal ends `wait` early: wait again until the command itself has ended, and exit with its status.
+while true; do
+  status=0
+  wait "$cmd_pid" || status=$?
+  kill -0 "$cmd_pid" 2>/dev/null || break
+done
+exit "$status"

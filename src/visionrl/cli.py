@@ -1,7 +1,8 @@
 """The `visionrl` command line. Thin: parse arguments, then import the heavy parts (torch, vLLM, Ray).
 
 Exit codes: 0 success, 1 runtime failure, 2 bad input (job file, arguments, data) with a message that says
-what is wrong and what to do, never a traceback.
+what is wrong and what to do, never a traceback; 128 + the signal number (143 SIGTERM, 130 SIGINT) when a stop
+signal ended `train` after checkpointing the last completed step.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     from visionrl.orchestrate.loop import train
 
-    result = train(cfg, resume=args.resume)
+    result = train(cfg, resume=args.resume)  # None: the job file's `resume`
     print(f"adapter: {result.adapter_dir}")
     return 0
 
@@ -151,6 +152,12 @@ class _UsageError(Exception):
     pass
 
 
+def _resume_mode(value: str) -> str:
+    if value != "auto":
+        raise argparse.ArgumentTypeError(f"expected `--resume` alone or `--resume auto`, got {value!r}")
+    return value
+
+
 def _usage(msg: str) -> _UsageError:
     return _UsageError(msg)
 
@@ -214,7 +221,16 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument(
         "overrides", nargs="*", help="key=value overrides, e.g. train.steps=10 rollout.temperature=0.8"
     )
-    sp.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output_dir")
+    sp.add_argument(
+        "--resume",
+        nargs="?",
+        const=True,
+        default=None,
+        type=_resume_mode,
+        metavar="auto",
+        help="continue from the newest complete checkpoint in output_dir; `--resume auto` starts fresh when there "
+        "is none (for jobs a scheduler re-runs). Default: the job file's `resume`",
+    )
 
     sp = add("validate", _cmd_validate, "Check a job file and print the resolved config.")
     sp.add_argument("config", nargs="?", help="job file (YAML)")
@@ -314,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _log_to_console()
-    from visionrl.errors import BAD_INPUT_ERRORS, RunError
+    from visionrl.errors import BAD_INPUT_ERRORS, Preempted, RunError
 
     try:
         return int(args.func(args) or 0)
@@ -323,6 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     except BAD_INPUT_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except Preempted as err:  # SIGTERM/SIGINT: the last completed step is checkpointed
+        print(f"error: {err}", file=sys.stderr)
+        return err.exit_status
     except RunError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

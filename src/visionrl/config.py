@@ -316,6 +316,31 @@ class RayConfig(_Section):
     reward_timeout_s: float = Field(
         10.0, gt=0.0, description="Per-sample reward timeout; over it scores 0, counted."
     )
+    reward_isolation: Literal["thread", "process"] = Field(
+        "thread",
+        description="How a reward worker runs reward calls: 'thread' (cheap; an overdue call is abandoned, but a "
+        "function that holds the GIL stalls the worker until ray.max_actor_restarts replaces it) or 'process' "
+        "(a child process killed on timeout or crash; for rewards that may hang or crash the interpreter).",
+    )
+    call_timeout_s: float = Field(
+        1800.0,
+        gt=0.0,
+        description="Deadline of one remote call of the loop (rollout batch, learner update, adapter sync, "
+        "checkpoint state, evaluation batch). Past it the stuck actor is named and stopped; an engine is "
+        "restarted (ray.max_actor_restarts), a stuck learner stops the run. Reward calls get "
+        "reward_timeout_s per call instead.",
+    )
+    startup_timeout_s: float = Field(
+        1800.0,
+        gt=0.0,
+        description="Deadline for an actor to start (model load, engine build), also when one is restarted.",
+    )
+    max_actor_restarts: int = Field(
+        3,
+        ge=0,
+        description="Rollout engines and reward workers that died or hung are restarted (the adapter re-synced "
+        "and verified, the call retried) at most this many times in a run; then the run stops. 0: never.",
+    )
 
 
 class JobConfig(_Section):
@@ -331,6 +356,12 @@ class JobConfig(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
+    resume: bool | Literal["auto"] = Field(
+        False,
+        description="false: start fresh (refused if output_dir holds checkpoints); true: continue from the "
+        "newest complete checkpoint; 'auto': continue if there is one, else start fresh (for jobs a scheduler "
+        "re-runs after preemption). `visionrl train --resume [auto]` overrides it.",
+    )
 
     # Each rule is its own validator that raises (named validate_*); none of them changes a value.
 

@@ -52,3 +52,19 @@ def out_of_memory(actor: str, phase: str, err: BaseException, settings: dict[str
     first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     advice = MEMORY_ADVICE[actor].format(**settings)
     return OutOfMemory(f"the {actor} ran out of memory during {phase}.{used}\nTo fix: {advice}.\n({first})")
+
+
+class Preempted(RunError):
+    """A stop signal (SIGTERM, SIGINT) ended the run; the CLI exits with 128 + the signal number. Raised bare
+    where the loop notices the request; the loop re-raises it with the checkpoint it wrote in the message."""
+
+    def __init__(self, signum: int, message: str = "") -> None:
+        import signal
+
+        self.signum = signum
+        self.signal_name = signal.Signals(signum).name
+        super().__init__(message or f"stopped by {self.signal_name}")
+
+    @property
+    def exit_status(self) -> int:
+        return 128 + self.signum

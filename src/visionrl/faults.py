@@ -2,19 +2,67 @@
 
 Ray workers inherit the environment of the process that starts Ray, so a test sets the variable before the run
 and the fault happens inside the actors, where real faults happen. Unset, nothing here changes behaviour.
+Faults marked "once" fire a single time per run, so that the actor restarted after them works: they record
+that they fired in the directory `VISIONRL_FAULTS_DIR` (required for them), which every process of the run
+sees.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import time
+from pathlib import Path
 
 FAULTS = {
     "ignore_adapters": "engines accept every adapter but never apply one (a target layout the engine skips)",
     "drop_adapter_syncs": "engines acknowledge new adapter versions after the first without loading them",
+    "kill_engine": "once: rollout engine 0 exits (as if killed) on its 2nd generate call",
+    "freeze_engine": "once: rollout engine 0 stops itself (SIGSTOP: a hung engine or collective) on its 2nd "
+    "generate call",
+    "kill_reward_worker": "once: reward worker 0 exits on its 2nd score call",
+    "hang_reward_worker": "once: reward worker 0 blocks forever (a reward holding the GIL) on its 2nd score call",
+    "kill_learner": "the learner exits during its 2nd train_step",
 }
+AT_CALL = 2  # the faulty actors misbehave on this call of theirs (the first one shows the run was healthy)
 
 
 def active(name: str) -> bool:
     if name not in FAULTS:
         raise ValueError(f"unknown fault {name!r}; known: {', '.join(FAULTS)}")
     return name in os.environ.get("VISIONRL_FAULTS", "").split(",")
+
+
+def fire_once(name: str) -> bool:
+    """True the first time it is asked for an active fault in this run (in any process), else False."""
+    if not active(name):
+        return False
+    folder = os.environ.get("VISIONRL_FAULTS_DIR")
+    if not folder:
+        raise ValueError(f"fault {name!r} fires once per run: set VISIONRL_FAULTS_DIR to a directory")
+    try:
+        fd = os.open(Path(folder) / f"{name}.fired", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return False
+    os.write(fd, str(os.getpid()).encode())  # which process it hit, for the test to check it is gone
+    os.close(fd)
+    return True
+
+
+def at_call(name: str, index: int, calls: int) -> None:
+    """In actor `index` (0 is the faulty one) at its `calls`-th call: perform fault `name` if it is due."""
+    if index != 0 or calls != AT_CALL:
+        return
+    if name == "kill_learner":
+        if active(name):
+            os._exit(1)
+        return
+    if not fire_once(name):
+        return
+    if name in ("kill_engine", "kill_reward_worker"):
+        os._exit(1)
+    if name == "freeze_engine":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    if name == "hang_reward_worker":
+        while True:
+            time.sleep(3600)

@@ -4,6 +4,7 @@ writes them: the loop, checkpoints, export, evaluation and the demo.
     <output_dir>/
       config.yaml          the resolved job config
       history.jsonl        one line of metrics per step (appended every step)
+      visionrl.log         the run's log lines and the full tracebacks of failed actors (appended)
       tensorboard/         event files
       checkpoints/step_N/  atomic checkpoints (see visionrl.checkpoint)
       adapter/             the final PEFT adapter with visionrl_manifest.json
@@ -18,6 +19,7 @@ from pathlib import Path
 
 RUN_CONFIG = "config.yaml"
 HISTORY = "history.jsonl"
+RUN_LOG = "visionrl.log"
 TENSORBOARD_DIR = "tensorboard"
 CHECKPOINTS_DIR = "checkpoints"
 ADAPTER_DIR = "adapter"
@@ -48,6 +50,10 @@ class RunDir:
     @property
     def history(self) -> Path:
         return self.root / HISTORY
+
+    @property
+    def log(self) -> Path:
+        return self.root / RUN_LOG
 
     @property
     def tensorboard(self) -> Path:

@@ -59,16 +59,13 @@ def _kill_groups(pgid_file: Path) -> None:
             pass
 
 
-@pytest.mark.slow
-def test_slurm_launcher_runs_visionrl_train_on_its_ray_cluster(
-    tiny_model: Path, color_data: Path, tmp_path: Path
-) -> None:
+def _fake_slurm(tmp_path: Path, ray_tmp: str) -> dict[str, str]:
+    """The environment of a one-node fake Slurm allocation (srun/scontrol stand-ins on PATH)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
-    ray_tmp = tempfile.mkdtemp(prefix="vrl-slurm-", dir="/tmp")  # Ray's socket paths must stay short
     pgids = tmp_path / "pgids"
     venv_bin = str(Path(sys.executable).parent)
     env = {
@@ -83,6 +80,15 @@ def test_slurm_launcher_runs_visionrl_train_on_its_ray_cluster(
         "VISIONRL_RAY_WAIT_S": "90",
     }
     env.pop("RAY_ADDRESS", None)
+    return env
+
+
+@pytest.mark.slow
+def test_slurm_launcher_runs_visionrl_train_on_its_ray_cluster(
+    tiny_model: Path, color_data: Path, tmp_path: Path
+) -> None:
+    ray_tmp = tempfile.mkdtemp(prefix="vrl-slurm-", dir="/tmp")  # Ray's socket paths must stay short
+    env, pgids = _fake_slurm(tmp_path, ray_tmp), tmp_path / "pgids"
     run = tmp_path / "run"
     cmd = [
         str(REPO / "deploy" / "slurm" / "ray_cluster.sh"), "--",
@@ -103,6 +109,52 @@ def test_slurm_launcher_runs_visionrl_train_on_its_ray_cluster(
         alive = subprocess.run(["pgrep", "-f", ray_tmp], capture_output=True, text=True).stdout.split()
         assert not alive, f"Ray processes left running: {alive}"
     finally:
+        _kill_groups(pgids)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_slurm_launcher_passes_sigterm_on_and_keeps_ray_until_visionrl_has_checkpointed(
+    tiny_model: Path, color_data: Path, tmp_path: Path
+) -> None:
+    """SIGTERM to the launcher (Slurm's `--signal=B:TERM@...` before the time limit): visionrl gets it, checkpoints
+    its last completed step on the still running cluster and exits 143; the launcher exits 143 after it and
+    ends every Ray process."""
+    import time
+
+    ray_tmp = tempfile.mkdtemp(prefix="vrl-slurm-", dir="/tmp")
+    env, pgids = _fake_slurm(tmp_path, ray_tmp), tmp_path / "pgids"
+    run, history = tmp_path / "run", tmp_path / "run" / "history.jsonl"
+    cmd = [
+        str(REPO / "deploy" / "slurm" / "ray_cluster.sh"), "--",
+        "visionrl", "train", str(REPO / "configs" / "demo.yaml"),
+        f"output_dir={run}", f"model.path={tiny_model}", f"data.train={color_data / 'train.jsonl'}",
+        "data.eval=null", "train.target_accuracy=null", "train.steps=500", "rollout.engine=hf",
+        "rollout.prompts_per_step=2", "ray.num_cpus=null", "logging.save_every=1000", "--resume", "auto",
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None:
+            if history.exists() and len(history.read_text().splitlines()) >= 2:
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=180)
+        assert proc.returncode == 143, out[-3000:]
+        from visionrl.checkpoint import latest_checkpoint, load_checkpoint
+
+        steps = len(history.read_text().splitlines())
+        assert load_checkpoint(latest_checkpoint(run)).step == steps
+        assert f"interrupted by SIGTERM: checkpointed step {steps}" in out
+        alive = subprocess.run(["pgrep", "-f", ray_tmp], capture_output=True, text=True).stdout.split()
+        assert not alive, f"Ray processes left running: {alive}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
         _kill_groups(pgids)
         shutil.rmtree(ray_tmp, ignore_errors=True)
 

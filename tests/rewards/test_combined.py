@@ -251,6 +251,23 @@ def test_slow_reward_times_out(user_module: str) -> None:
     assert result.error_examples == {key: "timed out after 0.2 s"}
 
 
+def test_thread_runner_returns_when_the_last_calls_time_out(user_module: str) -> None:
+    """Every call overdue (the last ones to settle are timeouts): the batch ends at the deadline. It used to
+    wait forever here, so the batch runs on a watched thread: a regression fails after 20 s, it never hangs."""
+    import threading
+
+    key = f"{user_module}:slow"
+    reward = build_reward_fn([RewardSpec(key)], timeout_s=0.2)
+    out: list[Any] = []
+    worker = threading.Thread(
+        target=lambda: out.append(reward.score(["slow"] * 3, _records([None] * 3))), daemon=True
+    )
+    worker.start()
+    worker.join(timeout=20)
+    assert out, "the thread runner did not return after every call timed out"
+    assert out[0].num_timeouts == {key: 3} and out[0].per_reward[key] == [0.0, 0.0, 0.0]
+
+
 def test_pickles_without_functions_and_rebuilds(user_module: str) -> None:
     reward = build_reward_fn([RewardSpec(f"{user_module}:quarter"), RewardSpec("exact_match", weight=2.0)])
     reward.score(["x"], _records(["x"]))  # builds the runner first: it must not travel either

@@ -19,9 +19,11 @@ from typing import Any
 
 import ray
 
+from visionrl import faults
 from visionrl.config import JobConfig, RayConfig
 from visionrl.data.images import ImageBudget
 from visionrl.errors import out_of_memory
+from visionrl.orchestrate.remote import ENGINE, LEARNER, REWARD, Call, gather
 from visionrl.rewards import RewardSpec, build_reward_fn
 from visionrl.rollout.factory import make_engine
 from visionrl.types import AdapterPayload, Completion, PromptItem, SamplingSpec
@@ -91,11 +93,14 @@ class LearnerActor:
     def __init__(self, cfg: JobConfig) -> None:
         from visionrl.train.learner import Learner
 
-        self.cfg = cfg
+        self.cfg, self.calls = cfg, 0
         with _memory_guard("learner", "loading the model", cfg):
             self.learner = Learner(cfg)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        if method == "train_step":
+            self.calls += 1
+            faults.at_call("kill_learner", 0, self.calls)
         with _memory_guard("learner", method, self.cfg):
             return getattr(self.learner, method)(*args, **kwargs)
 
@@ -108,12 +113,12 @@ class LearnerActor:
 
 @ray.remote
 class RolloutActor:
-    def __init__(self, cfg: JobConfig, forbidden: list[int], seed: int) -> None:
+    def __init__(self, cfg: JobConfig, forbidden: list[int], seed: int, index: int = 0) -> None:
         if cfg.train.torch_threads:
             import torch
 
             torch.set_num_threads(cfg.train.torch_threads)
-        self.cfg = cfg
+        self.cfg, self.index, self.calls = cfg, index, 0
         with _memory_guard("rollout engine", "start-up", cfg):
             self.engine = make_engine(
                 cfg.model.path,
@@ -126,6 +131,9 @@ class RolloutActor:
             )
 
     def generate(self, prompts: list[PromptItem], spec: SamplingSpec) -> list[list[Completion]]:
+        self.calls += 1
+        for fault in ("kill_engine", "freeze_engine"):
+            faults.at_call(fault, self.index, self.calls)
         with _memory_guard("rollout engine", "generation", self.cfg):
             return self.engine.generate(prompts, spec)
 
@@ -156,30 +164,58 @@ class RolloutActor:
 
 @ray.remote
 class RewardActor:
-    def __init__(self, specs: list[RewardSpec], timeout_s: float) -> None:
-        self.fn = build_reward_fn(specs, timeout_s=timeout_s)
+    def __init__(self, specs: list[RewardSpec], cfg: RayConfig, index: int = 0) -> None:
+        self.fn = build_reward_fn(specs, timeout_s=cfg.reward_timeout_s, isolation=cfg.reward_isolation)
+        self.index, self.calls = index, 0
 
     def score(self, completions: list[str], records: list[dict]) -> Any:
+        self.calls += 1
+        for fault in ("kill_reward_worker", "hang_reward_worker"):
+            faults.at_call(fault, self.index, self.calls)
         return self.fn.score(completions, records)
+
+    def close(self) -> None:
+        self.fn.close()  # the reward child process, with process isolation
+
+    def placement(self) -> dict[str, Any]:
+        return _placement()
 
 
 def _placement() -> dict[str, Any]:
     """Where this actor runs: node and the GPU ids Ray gave it (logged at start, checked by the GPU tests)."""
     ctx = ray.get_runtime_context()
-    return {"node": ctx.get_node_id()[:8], "gpus": [str(g) for g in ray.get_gpu_ids()]}
+    return {"node": ctx.get_node_id()[:8], "gpus": [str(g) for g in ray.get_gpu_ids()], "pid": os.getpid()}
 
 
 def reward_specs(cfg: JobConfig) -> list[RewardSpec]:
     return [RewardSpec(name=r.name, weight=r.weight, kwargs=dict(r.kwargs)) for r in cfg.rewards]
 
 
+def _engine_options(cfg: JobConfig) -> list[dict[str, Any]]:
+    # max_restarts: Ray rebuilds a dead (or killed, because hung) engine in place, same arguments and placement;
+    # `Workers` counts the restarts of the run against the same limit and re-syncs the adapter.
+    return [
+        {"num_cpus": 0, "num_gpus": cfg.rollout.gpus_per_engine, "max_restarts": cfg.ray.max_actor_restarts}
+        for _ in range(cfg.rollout.num_engines)
+    ]
+
+
+def _start_engine(cfg: JobConfig, index: int, forbidden: list[int], opts: dict[str, Any]) -> Any:
+    # mypy keeps a class's own type under a class decorator; `@ray.remote` adds `.options` at run time.
+    return RolloutActor.options(**opts).remote(cfg, forbidden, cfg.train.seed + index, index)  # type: ignore[attr-defined]
+
+
+def _start_reward_worker(cfg: JobConfig, index: int) -> Any:
+    opts = {"num_cpus": 0, "max_restarts": cfg.ray.max_actor_restarts}
+    return RewardActor.options(**opts).remote(reward_specs(cfg), cfg.ray, index)  # type: ignore[attr-defined]
+
+
 def start_actors(cfg: JobConfig) -> tuple[Any, list[Any], list[Any]]:
-    """Create learner, engines and reward workers with the configured placement."""
+    """Create learner, engines and reward workers with the configured placement; each must start within
+    ray.startup_timeout_s (a failure or a hang names the actor)."""
     use_gpu = cfg.ray.learner_gpus > 0 or cfg.rollout.gpus_per_engine > 0
     learner_opts: dict[str, Any] = {"num_cpus": 0, "num_gpus": cfg.ray.learner_gpus}
-    engine_opts: list[dict[str, Any]] = [
-        {"num_cpus": 0, "num_gpus": cfg.rollout.gpus_per_engine} for _ in range(cfg.rollout.num_engines)
-    ]
+    engine_opts = _engine_options(cfg)
     if use_gpu and cfg.ray.placement == "colocated":
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -195,24 +231,24 @@ def start_actors(cfg: JobConfig) -> tuple[Any, list[Any], list[Any]]:
         # Expandable segments: the learner's activations change size every micro-batch, and fixed segments
         # fragment. Learner only: vLLM's sleep mode refuses them in the engine's process.
         learner_opts["runtime_env"] = {"env_vars": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}}
-    # mypy keeps a class's own type under a class decorator; `@ray.remote` adds `.options` at run time.
     learner = LearnerActor.options(**learner_opts).remote(cfg)  # type: ignore[attr-defined]
-    forbidden = ray.get(learner.forbidden_token_ids.remote())
-    engines = [
-        RolloutActor.options(**opts).remote(cfg, forbidden, cfg.train.seed + i)  # type: ignore[attr-defined]
-        for i, opts in enumerate(engine_opts)
-    ]
-    specs = reward_specs(cfg)
-    rewards = [
-        RewardActor.options(num_cpus=0).remote(specs, cfg.ray.reward_timeout_s)  # type: ignore[attr-defined]
-        for _ in range(cfg.ray.num_reward_workers)
-    ]
+    timeout, key = cfg.ray.startup_timeout_s, "ray.startup_timeout_s"
+    forbidden = gather(
+        [Call(learner.forbidden_token_ids.remote(), LEARNER, 0)], "start-up", timeout, key, interruptible=True
+    )[0]
+    engines = [_start_engine(cfg, i, forbidden, opts) for i, opts in enumerate(engine_opts)]
+    rewards = [_start_reward_worker(cfg, i) for i in range(cfg.ray.num_reward_workers)]
     # Fail early, with the actor's own error, if any of them cannot start; say where each one runs.
-    places = ray.get([learner.placement.remote(), *[e.placement.remote() for e in engines]])
+    calls = [
+        Call(learner.placement.remote(), LEARNER, 0),
+        *[Call(e.placement.remote(), ENGINE, i) for i, e in enumerate(engines)],
+        *[Call(w.placement.remote(), REWARD, i) for i, w in enumerate(rewards)],
+    ]
+    places = gather(calls, "start-up", timeout, key, interruptible=True)
     logger.info(
         "placement (%s): learner %s; %s",
         cfg.ray.placement,
         places[0],
-        "; ".join(f"engine {i} {p}" for i, p in enumerate(places[1:])),
+        "; ".join(f"engine {i} {p}" for i, p in enumerate(places[1 : 1 + len(engines)])),
     )
     return learner, engines, rewards

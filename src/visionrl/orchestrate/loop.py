@@ -17,14 +17,18 @@ import torch
 
 from visionrl import metrics as tags
 from visionrl.algo import group_advantages, group_stats, groups_with_signal, overlong_penalty
-from visionrl.checkpoint import latest_checkpoint
 from visionrl.config import JobConfig, dump_config
-from visionrl.errors import InputError, OutOfMemory, RunError
+from visionrl.errors import Preempted, RunError
 from visionrl.metrics import MetricsWriter, Progress
+from visionrl.orchestrate import preemption
 from visionrl.orchestrate.actors import ray_session, start_actors
+from visionrl.orchestrate.failures import run_error, run_log, stopped
+from visionrl.orchestrate.preemption import stop_on_signals
+from visionrl.orchestrate.remote import ActorProblem
+from visionrl.orchestrate.resume import ResumeMode, checkpoint_to_resume
 from visionrl.orchestrate.workers import PromptStream, Workers, merge_results, rollout_samples
 from visionrl.rewards import RewardResult
-from visionrl.run_layout import STEP_PREFIX, RunDir
+from visionrl.run_layout import RunDir
 from visionrl.train.batching import Sequence
 from visionrl.train.learner import TrainBatch
 from visionrl.types import Completion, PromptItem, SamplingSpec
@@ -41,61 +45,58 @@ class TrainResult:
     history: list[dict[str, Any]]  # one dict of metrics per step (eval/accuracy None without eval data)
 
 
-def train(cfg: JobConfig, resume: bool = False) -> TrainResult:
-    """Run the job; on a dead actor or engine raise RunError naming the newest checkpoint to resume from."""
+def train(cfg: JobConfig, resume: ResumeMode | None = None) -> TrainResult:
+    """Run the job (`resume`, when given, overrides `cfg.resume`). A dead or stuck actor that cannot be
+    restarted raises RunError naming it and the newest checkpoint; SIGTERM/SIGINT checkpoint the last
+    completed step and raise Preempted."""
     run = RunDir.of(cfg.output_dir)
-    if not resume and run.checkpoints.is_dir() and any(run.checkpoints.glob(f"{STEP_PREFIX}*")):
-        raise InputError(
-            f"output_dir {run} holds checkpoints of an earlier run; continue it with `--resume`, "
-            "or set output_dir to a new directory (nothing was overwritten)"
-        )
+    mode = cfg.resume if resume is None else resume
+    ckpt = checkpoint_to_resume(cfg, run, mode)  # refuses before anything starts
     prompts_in = PromptStream(cfg)  # data and processor first: bad paths fail in seconds, before Ray
     run.root.mkdir(parents=True, exist_ok=True)
-    run.config.write_text(dump_config(cfg))
-    if not resume:
+    cfg = cfg.model_copy(update={"resume": mode})
+    run.config.write_text(dump_config(cfg))  # what this run uses (overrides included)
+    if ckpt is None:
         run.history.unlink(missing_ok=True)
-    try:
-        with ray_session(cfg.ray):
-            return _train(cfg, run, resume, prompts_in)
-    except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as err:
-        raise run_error(err, run.root) from err
+    with run_log(run):
+        try:
+            with ray_session(cfg.ray) as session, stop_on_signals():
+                logger.info("ray session: %s", session)
+                return _train(cfg, run, ckpt, prompts_in)
+        except ActorProblem as problem:
+            raise run_error(problem, run.root) from problem
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as err:
+            raise run_error(err, run.root) from err
 
 
-def run_error(err: BaseException, run: Path) -> RunError:
-    """What the user sees when an actor failed: the cause raised inside it (not Ray's wrapper), and where to
-    resume from."""
-    ckpt = latest_checkpoint(run)
-    where = (
-        f"the newest checkpoint is {ckpt}; continue with `visionrl train CONFIG --resume`"
-        if ckpt
-        else "no checkpoint was written yet"
-    )
-    cause = getattr(err, "cause", None)  # a RayTaskError carries the exception raised inside the actor
-    if isinstance(cause, OutOfMemory):
-        return OutOfMemory(f"{cause}\n{where}")
-    if isinstance(cause, BaseException):
-        return RunError(f"a worker of the run failed: {type(cause).__name__}: {_first_line(cause)}\n{where}")
-    return RunError(f"a worker of the run failed: {_first_line(err)}\n{where}")
-
-
-def _train(cfg: JobConfig, run: RunDir, resume: bool, prompts_in: PromptStream) -> TrainResult:
+def _train(cfg: JobConfig, run: RunDir, ckpt: Path | None, prompts_in: PromptStream) -> TrainResult:
     G, spec, clock = cfg.algorithm.group_size, _sampling_spec(cfg), StepClock()
     with MetricsWriter(run.tensorboard) as tb:
-        workers = Workers(*start_actors(cfg), cfg)
-        workers.verify_delivery(
-            prompts_in.probe_prompts()
-        )  # a non-zero adapter must change the engines' output
+        try:
+            workers = Workers(*start_actors(cfg), cfg)
+            # a non-zero adapter must change the engines' output
+            workers.verify_delivery(prompts_in.probe_prompts())
+        except Preempted as early_stop:  # stopped while starting: nothing new to save
+            raise stopped(early_stop, run.root, None) from None
         watch = MismatchWatch(cfg.rollout.max_logprob_diff, cfg.rollout.max_logprob_diff_steps)
-        start = workers.resume(run.root, prompts_in) if resume else 0
+        start = saved = workers.resume(ckpt, prompts_in) if ckpt else 0
         _trim_history(run.history, start)  # steps after the checkpoint will be run again
         progress, acc, above = Progress(cfg.train.steps, start_step=start), None, 0
         history: list[dict[str, Any]] = []
         for step in range(start + 1, cfg.train.steps + 1):
             clock.start()
-            # 1-3. sample prompts, roll out group_size completions each, reward them (see _collect)
-            got = _collect(
-                prompts_in, workers, replace(spec, seed=cfg.train.seed * 100_003 + step), cfg, clock
-            )
+            position = prompts_in.sampler.state_dict()  # the data position after step - 1
+            try:
+                # 1-3. sample prompts, roll out group_size completions each, reward them (see _collect)
+                got = _collect(
+                    prompts_in, workers, replace(spec, seed=cfg.train.seed * 100_003 + step), cfg, clock
+                )
+            except Preempted as signal_stop:
+                # nothing of this step was applied: save the step before (if not yet), with its data position
+                if step - 1 > saved:
+                    saved = step - 1
+                    workers.checkpoint(run.root, saved, prompts_in, sampler_state=position)
+                raise stopped(signal_stop, run.root, saved if saved > start else None) from None
             prompts, completions, scores, rewards = got.prompts, got.completions, got.scores, got.rewards
             shaped, shaping = _shape_rewards(rewards, completions, cfg)  # DAPO overlong shaping, if set
             adv = group_advantages(shaped, G, scale=cfg.algorithm.advantage_scale)  # 4. advantages
@@ -111,19 +112,23 @@ def _train(cfg: JobConfig, run: RunDir, resume: bool, prompts_in: PromptStream) 
                 **shaping,
                 tags.SAMPLING_ROUNDS: float(got.rounds),
                 tags.SKIPPED_PROMPTS: float(got.skipped),
+                tags.ACTOR_RESTARTS: float(workers.restarts),
                 **clock.metrics(),
             }
             if step % cfg.logging.eval_every == 0 or step == cfg.train.steps:  # 7. log, maybe evaluate ...
-                m[tags.EVAL_ACCURACY] = acc = workers.evaluate(
-                    prompts_in.eval_prompts()
-                )  # None: no eval data
+                acc = _evaluate(workers, prompts_in)  # None: no eval data, or skipped by a stop request
+                m[tags.EVAL_ACCURACY] = acc
                 above = above + 1 if acc is not None and acc >= (cfg.train.target_accuracy or 2.0) else 0
             _log(tb, run, step, m, rewards, completions, prompts, scores, cfg)
             history.append({"step": step, **m})
             progress.update(step, reward=m[tags.REWARD_MEAN], acc=acc)
             stop = above >= 2  # two consecutive evals at the target (evals swing, docs/ENGINE_NOTES.md)
-            if step % cfg.logging.save_every == 0 or step == cfg.train.steps or stop:  # ... maybe checkpoint
-                workers.checkpoint(run.root, step, prompts_in)
+            signum = preemption.requested()
+            if step % cfg.logging.save_every == 0 or step == cfg.train.steps or stop or signum:
+                workers.checkpoint(run.root, step, prompts_in)  # ... maybe checkpoint
+                saved = step
+            if signum:
+                raise stopped(Preempted(signum), run.root, step)
             if stop:
                 break
         progress.close()
@@ -132,9 +137,12 @@ def _train(cfg: JobConfig, run: RunDir, resume: bool, prompts_in: PromptStream) 
     return TrainResult(run.root, adapter_dir, history[-1]["step"] if history else start, acc, history)
 
 
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return text[0] if text else type(err).__name__
+def _evaluate(workers: Workers, prompts_in: PromptStream) -> float | None:
+    """Held-out accuracy; a stop request during it skips it (the step is checkpointed without it)."""
+    try:
+        return workers.evaluate(prompts_in.eval_prompts())
+    except Preempted:
+        return None
 
 
 def _trim_history(path: Path, last_step: int) -> None:

@@ -10,9 +10,10 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import ray
 
@@ -24,6 +25,16 @@ from visionrl.data.lengths import fit_to_engine
 from visionrl.data.prompts import build_prompt
 from visionrl.errors import RunError
 from visionrl.models.loader import load_processor
+from visionrl.orchestrate.remote import (
+    ENGINE,
+    LEARNER,
+    REWARD,
+    ActorFailed,
+    ActorHung,
+    ActorProblem,
+    Call,
+    gather,
+)
 from visionrl.pictures import RolloutSample
 from visionrl.rewards import CombinedReward, RewardResult, build_reward_fn
 from visionrl.run_layout import RunDir
@@ -31,6 +42,7 @@ from visionrl.train.learner import TrainBatch
 from visionrl.types import Completion, PromptItem, SamplingSpec
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class PromptStream:
@@ -105,36 +117,131 @@ def _split(items: list, parts: int) -> list[list]:
 
 
 class _RemoteEngine:
-    """A Ray rollout actor seen as a plain engine (for the shared evaluation code)."""
+    """A Ray rollout actor seen as a plain engine (for the shared evaluation code), with the loop's deadline."""
 
-    def __init__(self, actor: Any) -> None:
-        self.actor = actor
+    def __init__(self, workers: Workers) -> None:
+        self.workers = workers
 
     def generate(self, prompts: list[PromptItem], spec: SamplingSpec) -> list[list[Completion]]:
-        return ray.get(self.actor.generate.remote(prompts, spec))
+        w = self.workers
+        return w._recovering(
+            lambda: w._get([Call(w.engines[0].generate.remote(prompts, spec), ENGINE, 0)], "eval", True)[0]
+        )
+
+
+def reward_deadline_s(cfg: JobConfig, completions: int) -> float:
+    """Deadline of one reward worker's batch: every call may use its full ray.reward_timeout_s (the thread
+    runner runs a few at once, so this is generous), plus a margin for starting the process runner's child."""
+    calls = completions * len(cfg.rewards)
+    margin = 120.0 if cfg.ray.reward_isolation == "process" else 10.0
+    return margin + calls * cfg.ray.reward_timeout_s
+
+
+CALL_KEY = "ray.call_timeout_s"
 
 
 class Workers:
+    """The loop's view of the actors. Every remote call has a deadline (`remote.gather`); a rollout engine or
+    reward worker that dies or hangs is restarted (at most ray.max_actor_restarts times in the run), an
+    engine gets the current adapter again (verified), and the call is retried; anything else raises
+    `ActorProblem`, which the loop reports with the checkpoint to resume from."""
+
     def __init__(self, learner: Any, engines: list[Any], rewards: list[Any], cfg: JobConfig) -> None:
         self.learner, self.engines, self.rewards, self.cfg = learner, engines, rewards, cfg
         self._eval_reward: CombinedReward | None = None
+        self.restarts = 0
+
+    def _get(self, calls: list[Call], phase: str, interruptible: bool = False) -> list[Any]:
+        return gather(calls, phase, self.cfg.ray.call_timeout_s, CALL_KEY, interruptible)
+
+    def _learner(self, phase: str, method: str, *args: Any) -> Any:
+        return self._get([Call(self.learner.call.remote(method, *args), LEARNER, 0)], phase)[0]
+
+    def _recovering(self, attempt: Callable[[], T]) -> T:
+        """`attempt()`, retried after restarting an engine or reward worker that died or hung in it."""
+        while True:
+            try:
+                return attempt()
+            except ActorProblem as problem:
+                self._restart(problem)
+
+    def _restart(self, problem: ActorProblem) -> None:
+        limit = self.cfg.ray.max_actor_restarts
+        if problem.role == LEARNER:
+            raise problem  # its optimizer state lives only there: the run continues from the checkpoint
+        if isinstance(problem, ActorFailed) and not problem.died:
+            raise problem  # it raised: the same call would raise again, so the cause goes to the user
+        if self.restarts >= limit:
+            problem.args = (
+                f"{problem}\n(restarted {self.restarts} of ray.max_actor_restarts={limit} times)",
+            )
+            raise problem
+        self.restarts += 1
+        logger.warning(
+            "%s\nrestarting the %s (restart %d of ray.max_actor_restarts=%d)",
+            problem,
+            problem.actor,
+            self.restarts,
+            limit,
+        )
+        actors = self.engines if problem.role == ENGINE else self.rewards
+        actor = actors[problem.index]
+        if isinstance(problem, ActorHung):  # a dead one is being rebuilt by Ray already (max_restarts)
+            ray.kill(actor, no_restart=False)  # SIGKILL, also for a stopped process; Ray rebuilds it in place
+        place = self._wait_until_back(actor, problem.role, problem.index)
+        logger.info("%s restarted: %s", problem.actor, place)
+        if problem.role == ENGINE:
+            self._resync(problem.index)
+
+    def _wait_until_back(self, actor: Any, role: str, index: int) -> dict[str, Any]:
+        key, deadline = "ray.startup_timeout_s", time.monotonic() + self.cfg.ray.startup_timeout_s
+        while True:
+            left = max(deadline - time.monotonic(), 0.0)
+            try:
+                return gather([Call(actor.placement.remote(), role, index)], "restart", left, key)[0]
+            except ActorFailed as failed:
+                if not failed.unavailable or time.monotonic() >= deadline:
+                    raise
+            time.sleep(1.0)
+
+    def _resync(self, index: int) -> None:
+        """A restarted engine must apply adapters of this run's layout and serve the learner's version."""
+        engine, call = self.engines[index], lambda ref: Call(ref, ENGINE, index)
+        probe = self.learner.call.remote("probe_payload")
+        change = self._get([call(engine.probe.remote(probe, self._probe_prompts))], "the adapter probe")[0]
+        payload = self.learner.call.remote("adapter_payload")
+        version = self._get([call(engine.load_adapter.remote(payload))], "sync")[0]
+        want = self._get([Call(payload, LEARNER, 0)], "sync")[0].version
+        if change < PROBE_MIN_CHANGE or version != want:
+            raise RunError(
+                f"rollout engine {index} after its restart: probe change {change:.2g} (must be at least "
+                f"{PROBE_MIN_CHANGE:g}), adapter version {version} (the learner's is {want}); it does not "
+                "serve the policy being trained, so the run stops"
+            )
+        logger.info("rollout engine %d serves adapter version %d again (verified)", index, version)
 
     # 2. rollout
     def rollout(self, prompts: list[PromptItem], spec: SamplingSpec) -> list[list[Completion]]:
         chunks = _split(prompts, len(self.engines))
-        refs = [
-            e.generate.remote(c, _engine_spec(spec, i))
-            for i, (e, c) in enumerate(zip(self.engines, chunks, strict=True))
-            if c
-        ]
-        return [group for part in ray.get(refs) for group in part]
+
+        def attempt() -> list[list[Completion]]:
+            calls = [
+                Call(e.generate.remote(c, _engine_spec(spec, i)), ENGINE, i)
+                for i, (e, c) in enumerate(zip(self.engines, chunks, strict=True))
+                if c
+            ]
+            return [group for part in self._get(calls, "rollout", True) for group in part]
+
+        return self._recovering(attempt)
 
     # at start: the adapter reaches the engines
     def verify_delivery(self, prompts: list[PromptItem]) -> list[float]:
         """Every engine must change its output when given a non-zero adapter of this run's layout, else the run
         would train an adapter that rollouts never use. Returns each engine's largest log-prob change."""
+        self._probe_prompts = prompts  # kept: a restarted engine is probed again
         probe = self.learner.call.remote("probe_payload")
-        changes = ray.get([e.probe.remote(probe, prompts) for e in self.engines])
+        calls = [Call(e.probe.remote(probe, prompts), ENGINE, i) for i, e in enumerate(self.engines)]
+        changes = self._get(calls, "the adapter probe", True)
         dead = [i for i, c in enumerate(changes) if c < PROBE_MIN_CHANGE]
         if dead:
             raise RunError(
@@ -156,39 +263,47 @@ class Workers:
         texts = [c.text for group in completions for c in group]
         records = [_reward_record(p) for p, group in zip(prompts, completions, strict=True) for _ in group]
         n = len(self.rewards)
-        parts = ray.get(
-            [
-                w.score.remote(t, r)
-                for w, t, r in zip(self.rewards, _split(texts, n), _split(records, n), strict=True)
-                if t
-            ]
-        )
-        return merge_results(parts)
+        parts_in = [
+            (i, t, r) for i, (t, r) in enumerate(zip(_split(texts, n), _split(records, n), strict=True)) if t
+        ]
+        deadline = reward_deadline_s(self.cfg, max((len(t) for _, t, _ in parts_in), default=0))
+
+        def attempt() -> list[RewardResult]:
+            calls = [Call(self.rewards[i].score.remote(t, r), REWARD, i) for i, t, r in parts_in]
+            return gather(calls, "reward", deadline, "ray.reward_timeout_s", interruptible=True)
+
+        return merge_results(self._recovering(attempt))
 
     # 5. learner update
     def update(self, batch: TrainBatch) -> dict[str, float]:
         """The learner's step; with `rollout.sleep_during_update` the engines sleep meanwhile (their GPU memory
-        goes to the colocated learner) and are awake again before it returns."""
+        goes to the colocated learner) and are awake again before it returns. Not interruptible: once the
+        update runs, the step is finished (and checkpointed) before a requested stop."""
         sleep = self.cfg.rollout.sleep_during_update
+        engines = [(i, e) for i, e in enumerate(self.engines)]
         t0 = time.perf_counter()
         if sleep:
-            ray.get([e.sleep.remote() for e in self.engines])
+            self._get([Call(e.sleep.remote(), ENGINE, i) for i, e in engines], "update (engine sleep)")
         t1 = time.perf_counter()
-        stats = ray.get(self.learner.call.remote("train_step", batch))
+        stats = self._learner("update", "train_step", batch)
         t2 = time.perf_counter()
         if sleep:
-            ray.get([e.wake_up.remote() for e in self.engines])
+            self._get([Call(e.wake_up.remote(), ENGINE, i) for i, e in engines], "update (engine wake-up)")
             stats[tags.ENGINE_SLEEP] = t1 - t0
             stats[tags.ENGINE_WAKE] = time.perf_counter() - t2
         return stats
 
     # 6. sync
     def sync_adapter(self) -> int:
-        payload = self.learner.call.remote("adapter_payload")  # resolved once in the object store
-        versions = ray.get([e.load_adapter.remote(payload) for e in self.engines])
-        if len(set(versions)) != 1:
-            raise RuntimeError(f"engines serve different adapter versions after sync: {versions}")
-        return versions[0]
+        def attempt() -> int:
+            payload = self.learner.call.remote("adapter_payload")  # resolved once in the object store
+            calls = [Call(e.load_adapter.remote(payload), ENGINE, i) for i, e in enumerate(self.engines)]
+            versions = self._get(calls, "sync")
+            if len(set(versions)) != 1:
+                raise RunError(f"engines serve different adapter versions after sync: {versions}")
+            return int(versions[0])
+
+        return self._recovering(attempt)
 
     # 7. evaluate
     def evaluate(self, prompts: list[PromptItem]) -> float | None:
@@ -200,10 +315,12 @@ class Workers:
 
         if self._eval_reward is None:
             self._eval_reward = build_reward_fn(
-                reward_specs(self.cfg), timeout_s=self.cfg.ray.reward_timeout_s
+                reward_specs(self.cfg),
+                timeout_s=self.cfg.ray.reward_timeout_s,
+                isolation=self.cfg.ray.reward_isolation,
             )
         records = evaluate_prompts(
-            _RemoteEngine(self.engines[0]),
+            _RemoteEngine(self),
             prompts,
             self._eval_reward,
             max_tokens=self.cfg.rollout.max_new_tokens,
@@ -211,31 +328,31 @@ class Workers:
         return accuracy(records)
 
     # 7. checkpoint
-    def checkpoint(self, run: Path, step: int, prompts: PromptStream) -> Path:
+    def checkpoint(
+        self, run: Path, step: int, prompts: PromptStream, sampler_state: dict[str, Any] | None = None
+    ) -> Path:
+        """Save step `step`; `sampler_state` (default: the sampler's now) is the data position after it."""
         from visionrl.checkpoint import save_checkpoint
 
-        payload = ray.get(self.learner.call.remote("adapter_payload", False))  # full precision
-        state = ray.get(self.learner.call.remote("state_dict"))
+        payload = self._learner("checkpoint", "adapter_payload", False)  # full precision
+        state = self._learner("checkpoint", "state_dict")
         return save_checkpoint(
             run,
             step,
             adapter_files=payload.files,
             trainer_state=state["trainer_state"],
-            sampler_state=prompts.sampler.state_dict(),
-            extra={"adapter_version": payload.version},
+            sampler_state=sampler_state if sampler_state is not None else prompts.sampler.state_dict(),
+            # the settings it was trained with: a resume compares them (orchestrate.resume)
+            extra={"adapter_version": payload.version, "config": self.cfg.model_dump(mode="json")},
             keep=self.cfg.logging.keep_checkpoints,
         )
 
-    def resume(self, run: Path, prompts: PromptStream) -> int:
-        """Restore learner, sampler and engines from the newest complete checkpoint; returns its step."""
-        from visionrl.checkpoint import latest_checkpoint, load_checkpoint
+    def resume(self, path: Path, prompts: PromptStream) -> int:
+        """Restore learner, sampler and engines from the checkpoint at `path`; returns its step."""
+        from visionrl.checkpoint import load_checkpoint
 
-        path = latest_checkpoint(run)
-        if path is None:
-            logger.warning("no checkpoint in %s: starting from step 0", run / "checkpoints")
-            return 0
         ckpt = load_checkpoint(path)
-        ray.get(self.learner.call.remote("load_state", str(ckpt.adapter_dir), ckpt.trainer_state))
+        self._learner("resume", "load_state", str(ckpt.adapter_dir), ckpt.trainer_state)
         prompts.sampler.load_state_dict(ckpt.sampler_state)
         self.sync_adapter()
         logger.info("resumed from %s (step %d)", path, ckpt.step)
@@ -247,7 +364,7 @@ class Workers:
         from visionrl.adapter.storage import filesystem
 
         adapter_dir = RunDir(run).adapter
-        ray.get(self.learner.call.remote("save_adapter", str(adapter_dir)))
+        self._learner("export", "save_adapter", str(adapter_dir))
         eval_results = {"accuracy": accuracy} if accuracy is not None else None
         manifest = build_manifest(
             adapter_dir,
@@ -260,7 +377,14 @@ class Workers:
         return adapter_dir
 
     def close(self) -> None:
-        ray.get([e.close.remote() for e in self.engines])
+        calls = [
+            *[Call(e.close.remote(), ENGINE, i) for i, e in enumerate(self.engines)],
+            *[Call(w.close.remote(), REWARD, i) for i, w in enumerate(self.rewards)],
+        ]
+        try:
+            gather(calls, "shutdown", 60.0, "(shutdown)")
+        except ActorProblem as problem:  # the run's work is saved: a failing close only costs a warning
+            logger.warning("%s", problem)
         for actor in [self.learner, *self.engines, *self.rewards]:
             ray.kill(actor)
 

@@ -90,8 +90,13 @@ class _ThreadBatch:
         with self._cond:
             for _ in range(min(self._max_workers, self._size)):
                 self._spawn_worker()
-            while self._done < self._size:
-                self._cond.wait(timeout=self._expire_overdue(time.monotonic()))
+            while True:
+                # Check after expiring: scoring the last overdue calls can finish the batch, and a wait
+                # without a deadline would then never wake.
+                wait_s = self._expire_overdue(time.monotonic())
+                if self._done >= self._size:
+                    break
+                self._cond.wait(timeout=wait_s)
         return [o if o is not None else _timeout_outcome(self._timeout_s) for o in self._outcomes]
 
     def _spawn_worker(self) -> None:

@@ -497,3 +497,14 @@ class Learner:
         self.scheduler.load_state_dict(state["scheduler"])
         self.version = int(state["version"])
         torch.set_rng_state(state["rng"])
+        self._apply_optimizer_settings()
+
+    def _apply_optimizer_settings(self) -> None:
+        """After loading a checkpoint: this job's rates, betas and weight decay replace the saved ones (a resume
+        may change them on purpose; orchestrate.resume reports every change), the moments are kept."""
+        t = self.cfg.train
+        rates = {g["name"]: g["lr"] for g in lora_param_groups(self.model, t.lr, t.merger_lr, t.lm_head_lr)}
+        self.scheduler.base_lrs = [rates[g["name"]] for g in self.optimizer.param_groups]
+        factor = self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
+        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs, strict=True):
+            group.update(initial_lr=base, lr=base * factor, betas=t.betas, weight_decay=t.weight_decay)

@@ -1,0 +1,149 @@
+"""Waiting on remote calls with a deadline, and knowing which actor a failure came from.
+
+Every remote call the loop waits on goes through `gather`: each call is tagged with the actor's role and index
+and the phase of the step, so a failure names them (`ActorFailed`, with the exception raised inside the actor
+and its traceback) and a call past its deadline names the stuck actor (`ActorHung`) instead of waiting
+forever. While a stop was requested (SIGTERM/SIGINT, `visionrl.orchestrate.preemption`), an interruptible wait
+gives up at once with `Preempted`.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from visionrl.errors import OutOfMemory
+from visionrl.orchestrate import preemption
+
+LEARNER, ENGINE, REWARD = "learner", "rollout engine", "reward worker"
+POLL_S = 0.5  # how often an interruptible wait looks for a stop request
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours the traceback's header line
+
+
+@dataclass(frozen=True)
+class Call:
+    """One remote call in flight: its object ref and the actor that runs it."""
+
+    ref: Any
+    role: str  # LEARNER, ENGINE or REWARD
+    index: int
+
+
+class ActorProblem(Exception):
+    """A remote call failed or hung; says which actor, in which phase. The loop turns it into a RunError (with
+    the checkpoint hint), or `Workers` restarts the actor and retries."""
+
+    def __init__(self, role: str, index: int, phase: str, message: str) -> None:
+        super().__init__(message)
+        self.role, self.index, self.phase = role, index, phase
+
+    @property
+    def actor(self) -> str:
+        return f"{self.role} {self.index}"
+
+
+class ActorFailed(ActorProblem):
+    """The actor raised (`cause` is its exception) or died (`cause` is None)."""
+
+    def __init__(self, role: str, index: int, phase: str, err: BaseException) -> None:
+        cause = getattr(err, "cause", None) if isinstance(err, ray.exceptions.RayTaskError) else None
+        self.cause: BaseException | None = cause if isinstance(cause, BaseException) else None
+        self.died = isinstance(err, ray.exceptions.RayActorError)
+        # Calls to an actor Ray is rebuilding (max_restarts) fail with this until it is back.
+        self.unavailable = isinstance(err, ray.exceptions.ActorUnavailableError)
+        # The remote traceback: str() of Ray's error (its `traceback_str` is not reachable on the subclass of
+        # the cause's type that ray.get raises).
+        self.traceback = _ANSI.sub("", str(err)) if self.cause is not None else ""
+        super().__init__(role, index, phase, self._describe(role, index, phase, err))
+
+    def _describe(self, role: str, index: int, phase: str, err: BaseException) -> str:
+        if isinstance(self.cause, OutOfMemory):
+            return str(self.cause)  # names actor, phase, memory figures and the keys to change
+        if self.cause is not None:
+            what = f"{type(self.cause).__name__}: {first_line(self.cause)}"
+            return f"the {role} {index} failed during {phase}: {what}\nTo fix: {advice(role, phase)}"
+        if self.died:
+            return (
+                f"the {role} {index} died during {phase} ({first_line(err)}): its process was killed (out of "
+                "host memory, the node lost, or killed from outside) or crashed in native code.\nTo fix: look "
+                "for the reason in the Ray logs of that node (raylet.out; dmesg for the kernel's OOM killer)"
+            )
+        return f"the {role} {index} failed during {phase}: {type(err).__name__}: {first_line(err)}"
+
+
+class ActorHung(ActorProblem):
+    """The call did not return within its deadline."""
+
+    def __init__(self, role: str, index: int, phase: str, timeout_s: float, key: str) -> None:
+        super().__init__(
+            role,
+            index,
+            phase,
+            f"the {role} {index} did not answer within {timeout_s:g} s during {phase} ({key}): it is stuck (a "
+            "frozen engine, a hung collective, a reward holding the GIL) and was stopped.\nTo fix: if such calls "
+            f"are legitimately slower, raise {key}; otherwise look at that actor's log for where it hangs"
+            + (_GIL_HINT if role == REWARD else ""),
+        )
+
+
+_GIL_HINT = (
+    "; with ray.reward_isolation=thread a reward function that never releases the GIL (a C loop, a "
+    "catastrophic regular expression) stalls the whole worker: set ray.reward_isolation=process"
+)
+
+
+# What to try for an exception raised inside an actor, by phase (the exception's own message comes first).
+_ADVICE = {
+    "rollout": "the engine refused a prompt or broke while generating: a prompt longer than "
+    "rollout.max_model_len, more images than the engine allows (data.max_images_per_prompt), or an engine bug; "
+    "fix the data or raise the limit named above",
+    "reward": "the reward worker itself failed (reward functions' own errors are counted, not raised)",
+}
+_ADVICE["the adapter probe"] = _ADVICE["eval"] = _ADVICE["rollout"]  # the engine generates in these too
+
+
+def advice(role: str, phase: str) -> str:
+    return _ADVICE.get(
+        phase, f"fix the cause above (the {role}'s full traceback is in the run's log file), then resume"
+    )
+
+
+def first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__
+
+
+def gather(
+    calls: list[Call], phase: str, timeout_s: float, key: str, interruptible: bool = False
+) -> list[Any]:
+    """The results of `calls` in order. Raises ActorFailed for the first call that failed (whichever finishes
+    first), ActorHung naming the first unfinished call at the deadline (`key` is the config key that set it),
+    and, if `interruptible`, Preempted as soon as a stop was requested."""
+    deadline = time.monotonic() + timeout_s
+    pending = {c.ref: i for i, c in enumerate(calls)}
+    results: list[Any] = [None] * len(calls)
+    while pending:
+        if interruptible:
+            preemption.raise_if_requested()
+        left = deadline - time.monotonic()
+        if left <= 0:
+            first = calls[min(pending.values())]
+            raise ActorHung(first.role, first.index, phase, timeout_s, key)
+        wait_s = min(left, POLL_S) if interruptible else left
+        # One at a time: a failure is seen as soon as it happens, not after the slowest call.
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=wait_s)
+        for ref in ready:
+            i = pending.pop(ref)
+            try:
+                results[i] = ray.get(ref)
+            except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as err:
+                raise ActorFailed(calls[i].role, calls[i].index, phase, err) from err
+    return results
+
+
+def gather_one(call: Call, phase: str, timeout_s: float, key: str, interruptible: bool = False) -> Any:
+    return gather([call], phase, timeout_s, key, interruptible)[0]

@@ -1,0 +1,198 @@
+"""Faults injected inside the real Ray actors of a tiny run (visionrl.faults): dead and hung rollout engines and
+reward workers are restarted and the step retried; a dead learner, or one fault too many, stops the run with
+the actor, the phase and the checkpoint to resume from; a reward past its timeout never hangs the run."""
+
+from __future__ import annotations
+
+import json
+import os
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from visionrl.config import JobConfig, config_from_dict
+from visionrl.errors import RunError
+
+pytestmark = pytest.mark.slow
+
+
+def _cfg(model: Path, data_dir: Path, out: Path, **over: dict) -> JobConfig:
+    raw = {
+        "output_dir": str(out),
+        "model": {"path": str(model), "dtype": "float32"},
+        "data": {"train": str(data_dir / "train.jsonl")},
+        "rewards": [{"name": "exact_match", "kwargs": {"first_word": True}}],
+        "lora": {"rank": 8, "alpha": 16, "train_merger": True, "train_lm_head": True},
+        "algorithm": {"group_size": 4},
+        "rollout": {"engine": "hf", "prompts_per_step": 2, "max_new_tokens": 2, "max_model_len": 256},
+        "train": {"lr": 1e-2, "lr_schedule": "constant", "torch_threads": 1, "steps": 3},
+        "logging": {"eval_every": 100, "save_every": 1, "images_every": 100},
+        "ray": {"num_cpus": 2},
+    }
+    for section, values in over.items():
+        raw[section] = {**raw.get(section, {}), **values}
+    return config_from_dict(raw)
+
+
+@pytest.fixture
+def inject(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Arms faults for the run (the Ray workers it starts inherit the environment); restored after the test."""
+    folder = tmp_path / "faults"
+    folder.mkdir()
+    monkeypatch.setenv("VISIONRL_FAULTS_DIR", str(folder))
+
+    def arm(*names: str) -> Path:
+        monkeypatch.setenv("VISIONRL_FAULTS", ",".join(names))
+        return folder
+
+    return arm
+
+
+def _history(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "history.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize(
+    ("faults", "ray_over"),
+    [
+        # a frozen engine (a tiny rollout takes well under the 15 s deadline), then a dead reward worker
+        (("freeze_engine", "kill_reward_worker"), {"call_timeout_s": 15}),
+        # a dead engine, then a stuck reward worker: 8 completions x 1 reward x 1 s + 10 s margin = 18 s deadline
+        (("kill_engine", "hang_reward_worker"), {"reward_timeout_s": 1.0}),
+    ],
+)
+def test_dead_or_hung_engines_and_reward_workers_are_restarted_and_the_step_retried(
+    tiny_model: Path, color_data: Path, tmp_path: Path, inject, faults: tuple[str, str], ray_over: dict
+) -> None:
+    """Engine 0 and reward worker 0 misbehave on their 2nd call (step 2): each is restarted, the engine gets the
+    learner's adapter again (probed and verified), the call is retried, and the run ends normally with every
+    step done once."""
+    from visionrl.orchestrate.loop import train
+
+    fired = inject(*faults)
+    result = train(_cfg(tiny_model, color_data, tmp_path / "run", ray=ray_over))
+    for fault in faults:
+        assert (fired / f"{fault}.fired").is_file(), f"{fault} never fired: the test tests nothing"
+    history = _history(tmp_path / "run")
+    assert [h["step"] for h in history] == [1, 2, 3] and result.steps == 3
+    assert [h["faults/actor_restarts"] for h in history] == [0.0, 2.0, 2.0]
+    # Step 2 sampled with the adapter of step 1 (re-synced to the restarted engine), and the learner agrees
+    # with the engine's log-probs of it: the engine serves the policy being trained.
+    assert [h["rollout/adapter_version"] for h in history] == [0.0, 1.0, 2.0]
+    assert all(h["rollout/logprob_diff"] < 1e-3 for h in history)
+    log = (tmp_path / "run" / "visionrl.log").read_text()
+    assert "restarting the rollout engine 0 (restart 1 of ray.max_actor_restarts=3)" in log
+    assert "restarting the reward worker 0 (restart 2 of ray.max_actor_restarts=3)" in log
+    stuck = (
+        "did not answer within 15 s during rollout"
+        if "freeze_engine" in faults
+        else ("reward worker 0 did not answer within 18 s during reward")
+    )
+    assert stuck in log
+
+
+def test_without_restarts_a_dead_engine_stops_the_run_naming_it(
+    tiny_model: Path, color_data: Path, tmp_path: Path, inject
+) -> None:
+    import ray
+
+    from visionrl.orchestrate.loop import train
+
+    inject("kill_engine")
+    with pytest.raises(RunError) as err:
+        train(_cfg(tiny_model, color_data, tmp_path / "run", ray={"max_actor_restarts": 0}))
+    text = str(err.value)
+    assert text.startswith("the rollout engine 0 died during rollout")
+    assert "(restarted 0 of ray.max_actor_restarts=0 times)" in text
+    assert "the newest checkpoint is" in text and "step_1" in text and "--resume" in text
+    assert "ray::" not in text.splitlines()[0]
+    assert not ray.is_initialized()
+    assert [h["step"] for h in _history(tmp_path / "run")] == [1]
+
+
+def test_a_dead_learner_stops_the_run_with_the_checkpoint_hint(
+    tiny_model: Path, color_data: Path, tmp_path: Path, inject
+) -> None:
+    """The learner holds the optimizer state: it is never restarted, the run stops at once (restarts left)."""
+    from visionrl.orchestrate.loop import train
+
+    inject("kill_learner")
+    with pytest.raises(RunError) as err:
+        train(_cfg(tiny_model, color_data, tmp_path / "run"))
+    text = str(err.value)
+    assert text.startswith("the learner 0 died during update")
+    assert "step_1" in text and "--resume" in text
+
+
+USER_REWARDS = textwrap.dedent(
+    """
+    import os
+    import time
+
+    def slow_once(completion, answer, record):
+        try:  # the first call of the run, in whichever process or thread, takes 5 s; the others none
+            os.close(os.open(os.environ["SLOW_ONCE_MARKER"], os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return 1.0
+        time.sleep(5)
+        return 1.0
+    """
+)
+
+
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+def test_a_reward_past_its_timeout_scores_zero_and_the_run_goes_on(
+    tiny_model: Path, color_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, isolation: str
+) -> None:
+    """One call of a reward runs 5 s past its 0.5 s timeout, in either runner chosen in the job file: it scores
+    0 and is counted, the other 7 of the step and all of the next score 1 (the thread runner used to hang when
+    the last call to settle was a timeout)."""
+    from visionrl.orchestrate.loop import train
+
+    (tmp_path / "slow_rewards.py").write_text(USER_REWARDS)
+    monkeypatch.syspath_prepend(str(tmp_path))  # here, for validation ...
+    monkeypatch.setenv(
+        "PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    )  # ... and Ray
+    monkeypatch.setenv("SLOW_ONCE_MARKER", str(tmp_path / "slow-once"))
+    cfg = _cfg(
+        tiny_model,
+        color_data,
+        tmp_path / "run",
+        train={"steps": 2},
+        ray={"reward_timeout_s": 0.5, "reward_isolation": isolation},
+    )
+    slow = cfg.rewards[0].model_copy(update={"name": "slow_rewards:slow_once", "kwargs": {}})
+    result = train(cfg.model_copy(update={"rewards": [slow]}))
+    assert [h["reward/timeouts"] for h in result.history] == [1.0, 0.0]
+    assert [h["reward/errors"] for h in result.history] == [0.0, 0.0]
+    assert [h["reward/mean"] for h in result.history] == [7 / 8, 1.0]  # 2 prompts x 4 completions a step
+
+
+def test_a_prompt_vllm_refuses_is_shown_with_its_cause_and_the_traceback_logged(
+    tiny_model: Path, color_data: Path, tmp_path: Path
+) -> None:
+    """A prompt longer than rollout.max_model_len: vLLM's own validation error reaches the user with the engine,
+    the phase and what to change, not Ray's `ray::RolloutActor...` wrapper; the traceback is in the run's log."""
+    from visionrl.orchestrate.loop import train
+
+    cfg = _cfg(
+        tiny_model,
+        color_data,
+        tmp_path / "run",
+        data={"system_prompt": "red " * 400},  # 400 tokens of the word tokenizer, over max_model_len=256
+        rollout={"engine": "vllm"},
+    )
+    with pytest.raises(RunError) as err:
+        train(cfg)
+    lines = str(err.value).splitlines()
+    assert lines[0].startswith("the rollout engine 0 failed during the adapter probe: "), lines[0]
+    assert "256" in lines[0] and "ray::" not in lines[0] and "pid=" not in lines[0]
+    assert lines[1].startswith("To fix: the engine refused a prompt") and "rollout.max_model_len" in lines[1]
+    assert lines[2] == f"The full traceback is in {tmp_path / 'run' / 'visionrl.log'}."
+    log = (tmp_path / "run" / "visionrl.log").read_text()
+    assert "rollout engine 0 failed during the adapter probe; its traceback:" in log
+    # the remote frames, down to vLLM's own check, under the actor's call (Ray's header, without colours)
+    assert "ray::RolloutActor.probe() (pid=" in log and "\x1b[" not in log
+    assert "raise VLLMValidationError(" in log and "site-packages/vllm/" in log
