@@ -11,6 +11,15 @@ class RunError(RuntimeError):
     """The run failed at run time (an actor died, an engine broke); the message says how to continue."""
 
 
+class NonFiniteError(RunError):
+    """Training produced a NaN or infinite loss or gradient (the update was not applied)."""
+
+
+class StorageError(RunError):
+    """A file could not be written (disk full, read-only, no permission); the message names the path, the
+    bytes needed and what was kept intact."""
+
+
 BAD_INPUT_ERRORS: tuple[type[BaseException], ...] = (InputError,)
 
 

@@ -11,6 +11,7 @@ import os
 FAULTS = {
     "ignore_adapters": "engines accept every adapter but never apply one (a target layout the engine skips)",
     "drop_adapter_syncs": "engines acknowledge new adapter versions after the first without loading them",
+    "nonfinite_loss": "every learner update computes a NaN loss (and so NaN gradients), as a diverged run does",
 }
 
 

@@ -76,6 +76,7 @@ CORRECTION_CLIPPED = "rollout/correction_clipped_fraction"  # share of tokens tr
 MISMATCH_KL = "rollout/mismatch_kl"  # KL estimate between the engine's and the learner's token distributions
 ENGINE_SLEEP = "timing/engine_sleep_s"  # rollout.sleep_during_update: putting the engines to sleep
 ENGINE_WAKE = "timing/engine_wake_s"  # ... and waking them before the sync
+SKIPPED_UPDATES = "faults/skipped_updates"  # learner updates not applied: non-finite loss or gradient
 REWARD_HIST = "reward/hist"
 LENGTH_HIST = "response/length_hist"
 SAMPLES_PREFIX = "samples/"

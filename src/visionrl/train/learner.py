@@ -26,7 +26,9 @@ import torch
 
 from visionrl import metrics as tags
 from visionrl.algo import aggregate, kl_penalty, masked_mean, policy_loss, rollout_correction
+from visionrl import faults
 from visionrl.config import JobConfig
+from visionrl.errors import NonFiniteError
 from visionrl.models.loader import (
     apply_lora,
     load_base_model,
@@ -214,7 +216,7 @@ class Learner:
         if algo.kl_coef > 0:
             ref = self._precompute(encoded, batch.sequences, range(len(batch.sequences)), adapter=False)
         t3 = time.perf_counter()
-        totals: dict[str, float] = {}
+        totals: dict[str, float] = {tags.SKIPPED_UPDATES: 0.0}
         first_diff, first_tokens = 0.0, 0.0
         for u, rows in enumerate(minis):
             metrics = self._update(encoded, batch.sequences, rows, old if u > 0 else None, ref)
@@ -222,7 +224,10 @@ class Learner:
                 first_diff, first_tokens = metrics[tags.LOGPROB_DIFF], metrics[tags.LEARNER_TOKENS]
             for k, v in metrics.items():
                 totals[k] = totals.get(k, 0.0) + v / n_updates
-        self.version += 1
+        totals[tags.SKIPPED_UPDATES] *= n_updates  # a count, not a mean
+        totals["updates"] = float(n_updates)
+        if totals[tags.SKIPPED_UPDATES] < n_updates:  # the adapter changed: a new version for the engines
+            self.version += 1
         totals[tags.LOGPROB_DIFF] = _engine_mismatch(batch.sequences, later, old, first_diff, first_tokens)
         totals[tags.LEARNER_TOKENS] *= n_updates  # a sum over the mini-batches, not a mean
         totals[tags.LEARNER_SEQUENCE_TOKENS] *= n_updates
@@ -326,6 +331,8 @@ class Learner:
                 total = total + algo.kl_coef * kl
             if algo.entropy_coef > 0:  # the entropy bonus; otherwise entropy is only reported
                 total = total - algo.entropy_coef * aggregate(entropy, mask, algo.loss_aggregation, **norms)
+            if faults.active("nonfinite_loss"):
+                total = total * float("nan")  # what a diverged step produces: NaN loss, NaN gradients
             total.backward()
             w = mb.num_tokens / max(num_tokens, 1.0)  # token-weighted averages of per-micro-batch metrics
             with torch.no_grad():
@@ -350,9 +357,29 @@ class Learner:
         out[tags.LEARNER_MICRO_BATCHES] = float(len(mbs))
         out[tags.LEARNER_TOKENS] = num_tokens
         out[tags.LEARNER_SEQUENCE_TOKENS] = float(sum(mb.sequence_tokens for mb in mbs))
-        self.optimizer.step()
-        self.scheduler.step()
+        out[tags.SKIPPED_UPDATES] = 0.0 if self._apply(out[tags.LOSS_TOTAL], out[tags.GRAD_NORM]) else 1.0
         return out
+
+    def _apply(self, loss: float, grad_norm: float) -> bool:
+        """Take the optimizer step unless the loss or the gradient norm is NaN or infinite. A non-finite step
+        is never applied (AdamW would turn every weight it touches into NaN, for good): with
+        `train.on_nonfinite: skip` the gradients are dropped and False returned, with `stop` it raises."""
+        if math.isfinite(loss) and math.isfinite(grad_norm):
+            self.optimizer.step()
+            self.scheduler.step()
+            return True
+        self.optimizer.zero_grad(set_to_none=True)
+        what = (
+            f"a learner update had a non-finite loss ({loss}) or gradient norm ({grad_norm}) and was not "
+            "applied; the adapter is the one of the last finite update"
+        )
+        if self.cfg.train.on_nonfinite == "stop":
+            raise NonFiniteError(
+                f"{what}. train.on_nonfinite=stop ends the run here. Likely causes: a learning rate too high "
+                "for this model (train.lr), rewards or advantages out of range, or float16 overflow "
+                "(model.dtype=bfloat16); on_nonfinite=skip skips such updates instead"
+            )
+        return False
 
     # ------------------------------------------------------------------ adapter out
     def save_adapter(self, path: str | Path) -> Path:
