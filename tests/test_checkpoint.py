@@ -148,7 +148,9 @@ def test_unwritable_storage_is_a_clear_error(tmp_path: Path, monkeypatch: pytest
 
 def test_a_nan_adapter_is_never_checkpointed_and_pruning_keeps_the_healthy_one(tmp_path: Path) -> None:
     healthy = _save(tmp_path, 1, keep=1)
-    with pytest.raises(NonFiniteError, match=r"not saving the checkpoint of step 2: .*1 tensor\(s\) with NaN"):
+    with pytest.raises(
+        NonFiniteError, match=r"not saving the checkpoint of step 2: .*1 tensor\(s\) with NaN"
+    ):
         save_checkpoint(
             tmp_path, 2, adapter_files={"adapter_model.safetensors": _weights(2, fill=float("nan"))},
             trainer_state=b"s", sampler_state={}, keep=1,

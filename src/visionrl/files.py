@@ -68,7 +68,9 @@ def storage_error(err: OSError, path: str | os.PathLike[str], needed: int, kept:
         why = f"the disk is full: writing {where} needs {needed:,} bytes{free}"
         fix = "free space there, or point output_dir at a larger disk"
     elif err.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-        why = f"{where} cannot be written ({os.strerror(err.errno or 0)}); {needed:,} bytes were to be written"
+        why = (
+            f"{where} cannot be written ({os.strerror(err.errno or 0)}); {needed:,} bytes were to be written"
+        )
         fix = "give the run write access there, or choose another output_dir"
     else:
         why = f"writing {needed:,} bytes to {where} failed: {err.strerror or err}"

@@ -136,6 +136,15 @@ class MetricsWriter:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._writer = SummaryWriter(log_dir=str(self.log_dir))
 
+    def purge_from(self, step: int) -> None:
+        """Hide every event of `step` and later already in `log_dir` (a resumed run re-runs those steps): TensorBoard
+        then shows each step once, the new value. Call before writing anything for `step`."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        # The purge marker is written when a writer opens its event file, so a new writer (new file) carries it.
+        self._writer.close()
+        self._writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=step)
+
     def scalars(self, step: int, values: Mapping[str, float | None]) -> None:
         """Write each value of `values` under its tag; None means "not measured this step" and is skipped."""
         for tag, value in values.items():

@@ -27,7 +27,9 @@ def nonfinite_tensors(data: bytes | memoryview | np.ndarray, source: str = "adap
         raise ExportError(f"{source} is not a safetensors file (only {buf.size} bytes); re-save the adapter")
     (size,) = struct.unpack("<Q", buf[:8].tobytes())
     if not 0 < size <= buf.size - 8:
-        raise ExportError(f"{source} is not a valid safetensors file (bad header length); re-save the adapter")
+        raise ExportError(
+            f"{source} is not a valid safetensors file (bad header length); re-save the adapter"
+        )
     try:
         header = json.loads(buf[8 : 8 + size].tobytes())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:

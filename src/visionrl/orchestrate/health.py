@@ -61,7 +61,9 @@ class RunHealth:
             self.reward_failed_steps += 1
         for key in failed:
             example = scores.error_examples.get(key, "timed out")
-            problems.append(f"step {step}: reward {key!r} failed on all {len(scores.total)} samples: {example}")
+            problems.append(
+                f"step {step}: reward {key!r} failed on all {len(scores.total)} samples: {example}"
+            )
         if not problems:
             self.in_a_row = 0
             return

@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -15,6 +14,7 @@ from typing import Any
 import ray
 import torch
 
+from visionrl import history as history_file
 from visionrl import metrics as tags
 from visionrl.algo import group_advantages, group_stats, groups_with_signal, overlong_penalty
 from visionrl.checkpoint import latest_checkpoint
@@ -22,8 +22,10 @@ from visionrl.config import JobConfig, dump_config
 from visionrl.errors import InputError, OutOfMemory, RunError
 from visionrl.metrics import MetricsWriter, Progress
 from visionrl.orchestrate.actors import ray_session, start_actors
+from visionrl.orchestrate.health import RunHealth
 from visionrl.orchestrate.workers import PromptStream, Workers, merge_results, rollout_samples
 from visionrl.rewards import RewardResult
+from visionrl.rollout.scratch import remove_orphaned_scratch
 from visionrl.run_layout import STEP_PREFIX, RunDir
 from visionrl.train.batching import Sequence
 from visionrl.train.learner import TrainBatch
@@ -59,6 +61,8 @@ def train(cfg: JobConfig, resume: bool = False) -> TrainResult:
             return _train(cfg, run, resume, prompts_in)
     except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as err:
         raise run_error(err, run.root) from err
+    finally:
+        remove_orphaned_scratch()  # engines killed with the run could not remove their adapter copies
 
 
 def run_error(err: BaseException, run: Path) -> RunError:
@@ -87,7 +91,10 @@ def _train(cfg: JobConfig, run: RunDir, resume: bool, prompts_in: PromptStream) 
         )  # a non-zero adapter must change the engines' output
         watch = MismatchWatch(cfg.rollout.max_logprob_diff, cfg.rollout.max_logprob_diff_steps)
         start = workers.resume(run.root, prompts_in) if resume else 0
-        _trim_history(run.history, start)  # steps after the checkpoint will be run again
+        history_file.trim(run.history, start)  # steps after the checkpoint will be run again
+        if start:
+            tb.purge_from(start + 1)  # ... and shown once in TensorBoard
+        health = RunHealth(cfg.train.max_consecutive_skips)
         progress, acc, above = Progress(cfg.train.steps, start_step=start), None, 0
         history: list[dict[str, Any]] = []
         for step in range(start + 1, cfg.train.steps + 1):
@@ -112,20 +119,24 @@ def _train(cfg: JobConfig, run: RunDir, resume: bool, prompts_in: PromptStream) 
                 tags.SAMPLING_ROUNDS: float(got.rounds),
                 **clock.metrics(),
             }
+            health.after_step(step, stats, scores)  # stops a run that trains on nothing
+            eval_failed = None
             if step % cfg.logging.eval_every == 0 or step == cfg.train.steps:  # 7. log, maybe evaluate ...
-                m[tags.EVAL_ACCURACY] = acc = workers.evaluate(
-                    prompts_in.eval_prompts()
-                )  # None: no eval data
+                acc, eval_failed = _evaluate(workers, prompts_in, step)  # acc None: no eval data
+                m[tags.EVAL_ACCURACY] = acc
                 above = above + 1 if acc is not None and acc >= (cfg.train.target_accuracy or 2.0) else 0
             _log(tb, run, step, m, rewards, completions, prompts, scores, cfg)
             history.append({"step": step, **m})
             progress.update(step, reward=m[tags.REWARD_MEAN], acc=acc)
             stop = above >= 2  # two consecutive evals at the target (evals swing, docs/ENGINE_NOTES.md)
-            if step % cfg.logging.save_every == 0 or step == cfg.train.steps or stop:  # ... maybe checkpoint
-                workers.checkpoint(run.root, step, prompts_in)
+            if step % cfg.logging.save_every == 0 or step == cfg.train.steps or stop or eval_failed:
+                workers.checkpoint(run.root, step, prompts_in)  # ... maybe checkpoint (also if eval failed)
+            if eval_failed:
+                raise eval_failed
             if stop:
                 break
         progress.close()
+        health.finish()  # no final adapter from a run that never applied an update
         adapter_dir = workers.export_final(run.root, acc)  # end: the adapter, with its manifest
         workers.close()
     return TrainResult(run.root, adapter_dir, history[-1]["step"] if history else start, acc, history)
@@ -136,10 +147,17 @@ def _first_line(err: BaseException) -> str:
     return text[0] if text else type(err).__name__
 
 
-def _trim_history(path: Path, last_step: int) -> None:
-    if path.exists():
-        keep = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= last_step]
-        path.write_text("".join(line + "\n" for line in keep))
+def _evaluate(workers: Workers, prompts_in: PromptStream, step: int) -> tuple[float | None, RunError | None]:
+    """Held-out accuracy, or (None, the error to raise once the step is checkpointed) when evaluation failed: a
+    failed evaluation must not cost the step's update, or a resumed run could never get past this step."""
+    try:
+        return workers.evaluate(prompts_in.eval_prompts()), None
+    except (ray.exceptions.RayError, RunError) as err:
+        cause = getattr(err, "cause", None) or err
+        return None, RunError(
+            f"the evaluation at step {step} failed: {type(cause).__name__}: {_first_line(cause)}\nstep {step} "
+            "was checkpointed first; fix the cause and continue with `visionrl train CONFIG --resume`"
+        )
 
 
 class MismatchWatch:
@@ -335,6 +353,7 @@ def _step_metrics(
             m[k] = float(v)
     m.setdefault(tags.LOSS_POLICY, 0.0)
     m.setdefault(tags.LOSS_KL, 0.0)
+    m.setdefault(tags.SKIPPED_UPDATES, 0.0)
     return m
 
 
@@ -350,8 +369,7 @@ def _log(
     cfg: JobConfig,
 ) -> None:
     m[tags.THROUGHPUT] = m[tags.RESPONSE_TOKENS] / max(m[tags.TIMING_STEP], 1e-9)
-    with open(run.history, "a") as f:  # appended every step: a killed run keeps its history
-        f.write(json.dumps({"step": step, **m}) + "\n")
+    history_file.append(run.history, {"step": step, **m})  # every step: a killed run keeps its history
     if step % cfg.logging.log_every == 0:
         tb.scalars(step, m)
         tb.histogram(step, tags.REWARD_HIST, rewards)

@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
+from visionrl import faults
 from visionrl import metrics as tags
 from visionrl.algo import aggregate, kl_penalty, masked_mean, policy_loss, rollout_correction
-from visionrl import faults
 from visionrl.config import JobConfig
 from visionrl.errors import NonFiniteError
 from visionrl.models.loader import (
