@@ -105,7 +105,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 def _cmd_export(args: argparse.Namespace) -> int:
     from visionrl.adapter.export import export_adapter
 
-    manifest = export_adapter(args.src, args.dest, allow_unservable=args.allow_unservable)
+    manifest = export_adapter(
+        args.src, args.dest, allow_unservable=args.allow_unservable, overwrite=args.overwrite
+    )
     print(f"exported {len(manifest['files'])} files to {args.dest}")
     return 0
 
@@ -144,6 +146,11 @@ def _add_serving_commands(
         "--allow-unservable",
         action="store_true",
         help="export even if vLLM cannot serve the adapter as trained (the problems are listed)",
+    )
+    sp.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="write into a destination that holds other files (they are left as they are)",
     )
 
     sp = add(

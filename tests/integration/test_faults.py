@@ -21,11 +21,11 @@ from visionrl.metrics import SKIPPED_UPDATES, read_scalars
 pytestmark = pytest.mark.slow
 
 
-def _cfg(model: Path, data: Path, out: Path, **over: dict | list) -> JobConfig:
+def _cfg(model: Path, data_dir: Path, out: Path, **over: dict | list) -> JobConfig:
     raw = {
         "output_dir": str(out),
         "model": {"path": str(model), "dtype": "float32"},
-        "data": {"train": str(data / "train.jsonl")},
+        "data": {"train": str(data_dir / "train.jsonl")},
         "rewards": [{"name": "exact_match", "kwargs": {"first_word": True}}],
         "lora": {"rank": 8, "alpha": 16},
         "algorithm": {"group_size": 4},
