@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from typing import Any
 
 EXIT_BAD_INPUT = 2
 
@@ -62,7 +63,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _cmd_eval(args: argparse.Namespace) -> int:
     if args.endpoint:
-        from visionrl.eval.endpoint import evaluate_endpoint
+        from visionrl.eval.endpoint import check_failures, evaluate_endpoint
 
         report = evaluate_endpoint(
             endpoint=args.endpoint,
@@ -77,29 +78,36 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             timeout_s=args.timeout,
             seed=args.seed,
             base=args.base,
+            api_key=args.api_key,
         )
-    else:
-        if not args.base:
-            raise _usage("eval needs --base MODEL (local evaluation) or --endpoint URL (a served model)")
-        from visionrl.eval.local import evaluate_local
+        _print_report(report, args.out)
+        check_failures(report, args.max_failed_fraction, args.out)
+        return 0
+    if not args.base:
+        raise _usage("eval needs --base MODEL (local evaluation) or --endpoint URL (a served model)")
+    from visionrl.eval.local import evaluate_local
 
-        report = evaluate_local(
-            base=args.base,
-            adapter=args.adapter,
-            data=args.data,
-            out=args.out,
-            engine=args.engine,
-            ablate_images=args.ablate_images,
-            max_samples=args.max_samples,
-            max_tokens=args.max_tokens,
-            rewards=args.reward,
-            seed=args.seed,
-        )
+    report = evaluate_local(
+        base=args.base,
+        adapter=args.adapter,
+        data=args.data,
+        out=args.out,
+        engine=args.engine,
+        ablate_images=args.ablate_images,
+        max_samples=args.max_samples,
+        max_tokens=args.max_tokens,
+        rewards=args.reward,
+        seed=args.seed,
+    )
+    _print_report(report, args.out)
+    return 0
+
+
+def _print_report(report: dict[str, Any], out: str) -> None:
     print(
         f"accuracy {report['accuracy']:.3f} on {report['num_samples']} samples "
-        f"({report['num_failed']} failed) -> {args.out}"
+        f"({report['num_failed']} failed) -> {out}"
     )
-    return 0
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
@@ -226,6 +234,15 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--model", help="served evaluation: model or adapter name at the endpoint")
     sp.add_argument("--concurrency", type=int, default=8, help="parallel requests (served evaluation)")
     sp.add_argument("--timeout", type=float, default=60.0, help="seconds per request (served evaluation)")
+    sp.add_argument(
+        "--max-failed-fraction",
+        type=float,
+        default=0.1,
+        help="served evaluation: exit 1 (report still written) when more requests than this share failed",
+    )
+    sp.add_argument(
+        "--api-key", default=None, help="served evaluation: the server's API key (default: $VLLM_API_KEY)"
+    )
     sp.add_argument(
         "--ablate-images", action="store_true", help="permute images across samples (does it look?)"
     )
