@@ -25,6 +25,13 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     if not args.config:
         raise _usage("validate needs a CONFIG path (or --schema)")
     cfg = load_config(args.config, args.overrides)
+    if args.check_data:
+        from visionrl.data import load_dataset
+
+        for key, path in (("data.train", cfg.data.train), ("data.eval", cfg.data.eval)):
+            if path is not None:
+                n = len(load_dataset(path, on_bad_image=cfg.data.on_bad_image))
+                print(f"# {key}: {n} records in {path}", file=sys.stderr)
     print(dump_config(cfg), end="")
     print(f"# {args.config}: valid", file=sys.stderr)
     return 0
@@ -211,6 +218,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("config", nargs="?", help="job file (YAML)")
     sp.add_argument("overrides", nargs="*", help="key=value overrides")
     sp.add_argument("--schema", action="store_true", help="print the JSON schema of job files")
+    sp.add_argument(
+        "--check-data",
+        action="store_true",
+        help="also load data.train and data.eval (every record and image checked, as training does)",
+    )
 
     sp = add(
         "eval",
