@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from visionrl import checkpoint
 from visionrl.checkpoint import (
     CheckpointError,
     latest_checkpoint,

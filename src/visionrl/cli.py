@@ -137,7 +137,15 @@ def _cmd_fetch(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from visionrl.serve.server import serve
 
-    return serve(base=args.base, adapters=args.adapter, host=args.host, port=args.port, extra=args.vllm_arg)
+    return serve(
+        base=args.base,
+        adapters=args.adapter,
+        host=args.host,
+        port=args.port,
+        extra=args.vllm_arg,
+        api_key=args.api_key,
+        allow_insecure=args.allow_insecure,
+    )
 
 
 class _UsageError(Exception):
@@ -185,8 +193,21 @@ def _add_serving_commands(
         metavar="NAME=SRC",
         help="exported adapter (folder or s3://) served as NAME (repeatable)",
     )
-    sp.add_argument("--host", default="127.0.0.1")
+    sp.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (a non-loopback one needs an API key)"
+    )
     sp.add_argument("--port", type=int, default=8000)
+    sp.add_argument(
+        "--api-key",
+        default=None,
+        help="require this bearer token on every /v1 endpoint, adapter load/unload included (default: "
+        "$VLLM_API_KEY; the environment variable keeps it out of the process list)",
+    )
+    sp.add_argument(
+        "--allow-insecure",
+        action="store_true",
+        help="serve on a non-loopback --host without an API key (only on a closed network)",
+    )
     sp.add_argument(
         "--vllm-arg",
         action="append",

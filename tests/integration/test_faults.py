@@ -133,7 +133,8 @@ def test_a_failed_evaluation_still_checkpoints_its_step_and_cleans_up(
                data={"eval": str(color_data / "eval.jsonl"), "max_eval_samples": 4},
                train={"steps": 4}, logging={"eval_every": 2, "save_every": 100})  # fmt: skip
     with pytest.raises(
-        RunError, match=r"(?s)the evaluation at step 2 failed: \w*(ActorDied|RayActor)Error: .*step 2 was checkpointed"
+        RunError,
+        match=r"(?s)the evaluation at step 2 failed: \w*(ActorDied|RayActor)Error: .*step 2 was checkpointed",
     ):
         train(cfg)
     assert load_checkpoint(latest_checkpoint(run)).step == 2

@@ -14,7 +14,6 @@ from typing import Any
 
 import fsspec
 
-from visionrl.adapter.finite import describe, nonfinite_in_file
 from visionrl.adapter.files import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
@@ -24,6 +23,7 @@ from visionrl.adapter.files import (
     read_adapter_config,
     read_json_object,
 )
+from visionrl.adapter.finite import describe, nonfinite_in_file
 from visionrl.adapter.manifest import build_manifest, first_bad_file, join, write_manifest
 from visionrl.adapter.storage import filesystem, is_local
 from visionrl.checkpoint import MANIFEST as CHECKPOINT_MANIFEST
@@ -121,10 +121,10 @@ def export_adapter(
     """
     adapter_dir, run_dir = _resolve_source(Path(src))
     weights = adapter_dir / ADAPTER_WEIGHTS
-    bad = nonfinite_in_file(weights) if weights.is_file() else []
-    if bad:
+    nonfinite = nonfinite_in_file(weights) if weights.is_file() else []
+    if nonfinite:
         raise ExportError(
-            f"refusing to export {adapter_dir}: its weights have {describe(bad)}, so every answer of the served "
+            f"refusing to export {adapter_dir}: its weights have {describe(nonfinite)}, so every answer of the served "
             "model would be garbage; export an earlier checkpoint (checkpoints/step_N) of the run instead"
         )
     base_model, job_config, run_eval = _run_context(adapter_dir, run_dir)
