@@ -441,3 +441,33 @@ def test_new_algorithm_keys_and_their_checks() -> None:
         )
     with pytest.raises(ConfigError, match="algorithm.loss"):
         config_from_dict(apply_overrides(MINIMAL, ["algorithm.loss=grpo"]))
+
+
+# --------------------------------------------------------------------------- non-finite values
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "shown"),
+    [("train.lr=.inf", "train.lr", "inf"), ("algorithm.clip_high=.nan", "algorithm.clip_high", "nan"),
+     ("train.betas=[0.9, .nan]", "train.betas.1", "nan"), ("rewards.0.weight=-.inf", "rewards.0.weight", "-inf"),
+     ("ray.reward_timeout_s=.inf", "ray.reward_timeout_s", "inf")],
+)  # fmt: skip
+def test_non_finite_numbers_are_refused_naming_the_key(override: str, key: str, shown: str) -> None:
+    data = {**MINIMAL, "rewards": [{"name": "exact_match"}]}
+    if override.startswith("rewards."):  # overrides address mappings; set the list item directly
+        data = {**MINIMAL, "rewards": [{"name": "exact_match", "weight": float(shown)}]}
+        text = config_error(data)
+    else:
+        text = config_error(data, [override])
+    assert f"  - {key}: must be a finite number (got {shown})" in text
+    assert "write a number such as 1e-5" in text
+
+
+def test_on_nonfinite_defaults_to_skip_with_a_limit() -> None:
+    cfg = config_from_dict(MINIMAL)
+    assert (cfg.train.on_nonfinite, cfg.train.max_consecutive_skips) == ("skip", 3)
+    assert (
+        config_from_dict(apply_overrides(MINIMAL, ["train.on_nonfinite=stop"])).train.on_nonfinite == "stop"
+    )
+    assert "train.on_nonfinite" in config_error(MINIMAL, ["train.on_nonfinite=ignore"])
+    assert "train.max_consecutive_skips" in config_error(MINIMAL, ["train.max_consecutive_skips=0"])
