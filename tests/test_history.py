@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from visionrl import files, history
-from visionrl.errors import InputError, StorageError
+from visionrl.errors import InputError, StorageError, storage_errors
 
 
 def _three_steps(path: Path) -> None:
@@ -71,9 +71,11 @@ def test_atomic_write_on_a_read_only_disk_leaves_the_old_file(
         raise OSError(errno.EROFS, os.strerror(errno.EROFS))
 
     monkeypatch.setattr(files, "_write_fd", read_only)
-    with pytest.raises(
-        StorageError, match=r"report\.json cannot be written \(Read-only file system\); 3 bytes"
-    ):
+    with pytest.raises(OSError, match="Read-only"):
         files.atomic_write(target, "new")
     assert target.read_text() == "old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json"]  # no temporary file left
+    # What its callers show (reports, manifests, the run's config.yaml):
+    message = r"report\.json cannot be written \(Read-only file system\); 3 bytes were to be written"
+    with pytest.raises(StorageError, match=message), storage_errors(target, 3):
+        files.atomic_write(target, "new")

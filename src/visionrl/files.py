@@ -4,21 +4,17 @@ and the error a full or unwritable disk gives.
 One sha256 reader streams in chunks (checkpoints hold GB-sized optimizer states, adapters of large models
 are hundreds of MB) and can copy while it hashes; one atomic write puts bytes beside the target and renames
 them over it, so a reader never sees half a file, even if the writer is killed. Every write of a run's files
-goes through `write_synced`, so a full disk (ENOSPC), a read-only mount or a missing permission becomes one
-`StorageError` that names the path and the bytes needed, never a raw traceback.
+goes through `write_synced`; its callers turn the OSError of a full disk (ENOSPC), a read-only mount or a missing
+permission into a `visionrl.errors.StorageError` naming the path and the bytes needed (`errors.storage_errors`).
 """
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import os
-import shutil
 import tempfile
 from pathlib import Path
 from typing import BinaryIO
-
-from visionrl.errors import StorageError
 
 CHUNK = 1 << 20
 _write_fd = os.write  # the one call that puts bytes on disk (tests stand a full disk in for it)
@@ -56,31 +52,9 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
-def storage_error(err: OSError, path: str | os.PathLike[str], needed: int, kept: str = "") -> StorageError:
-    """The StorageError for `err` raised while writing `needed` bytes to `path`: what, how much, what to do."""
-    where = Path(path)
-    free = ""
-    for parent in (where, *where.parents):
-        if parent.exists():
-            free = f", {shutil.disk_usage(parent).free:,} bytes free there"
-            break
-    if err.errno in (errno.ENOSPC, errno.EDQUOT):
-        why = f"the disk is full: writing {where} needs {needed:,} bytes{free}"
-        fix = "free space there, or point output_dir at a larger disk"
-    elif err.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-        why = (
-            f"{where} cannot be written ({os.strerror(err.errno or 0)}); {needed:,} bytes were to be written"
-        )
-        fix = "give the run write access there, or choose another output_dir"
-    else:
-        why = f"writing {needed:,} bytes to {where} failed: {err.strerror or err}"
-        fix = "check the storage"
-    return StorageError(f"{why}. {kept + ' ' if kept else ''}To fix: {fix}.")
-
-
 def write_synced(path: str | os.PathLike[str], data: bytes, *, append: bool = False) -> None:
     """Write (or append) `data` to `path` and fsync it. OSError (a full disk...) propagates to the caller, who
-    knows what to clean up; `storage_error` turns it into the user's message."""
+    knows what to clean up; `visionrl.errors.storage_error` turns it into the user's message."""
     flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC)
     fd = os.open(path, flags, 0o644)
     try:
@@ -94,19 +68,14 @@ def write_synced(path: str | os.PathLike[str], data: bytes, *, append: bool = Fa
 
 def atomic_write(path: str | os.PathLike[str], data: bytes | str) -> None:
     """Write `data` (str as UTF-8) to `path` atomically: to a temporary file beside it, fsynced, then renamed.
-    On a full or unwritable disk: StorageError, the old file untouched and no temporary file left."""
+    On a full or unwritable disk: OSError, the old file untouched and no temporary file left."""
     target = Path(path)
     payload = data.encode("utf-8") if isinstance(data, str) else data
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    except OSError as err:
-        raise storage_error(err, target, len(payload)) from None
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     os.close(fd)
     try:
         write_synced(tmp, payload)
         os.replace(tmp, target)
-    except OSError as err:
-        raise storage_error(err, target, len(payload), kept=f"{target} was left as it was.") from None
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

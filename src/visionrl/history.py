@@ -12,8 +12,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from visionrl.errors import InputError
-from visionrl.files import atomic_write, storage_error, write_synced
+from visionrl.errors import InputError, storage_error, storage_errors
+from visionrl.files import atomic_write, write_synced
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,9 @@ def trim(path: Path, last_step: int) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     kept = [(line, r) for line, r in _parse(path, path.read_text()) if r["step"] <= last_step]
-    atomic_write(path, "".join(line + "\n" for line, _ in kept))
+    text = "".join(line + "\n" for line, _ in kept)
+    with storage_errors(path, len(text.encode()), kept=f"{path} was left as it was."):
+        atomic_write(path, text)
     return [r for _, r in kept]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -464,3 +465,24 @@ def test_an_adapter_with_nan_weights_is_never_exported(
         in err
     )
     assert not (tmp_path / "out").exists()
+
+
+def test_a_full_disk_during_export_names_the_file_and_leaves_no_manifest(
+    models: dict[str, Path], small_disk
+) -> None:
+    """fsspec's local copy writes through Python's file objects, not visionrl's write call: this needs the real
+    small tmpfs (skipped where it cannot be mounted)."""
+    disk = small_disk(16 * 1024)  # the adapter's weights are larger than 16 KiB
+    if not os.path.ismount(disk):
+        pytest.skip("no tmpfs could be mounted: fsspec's copy bypasses the stood-in write call")
+    from visionrl.errors import StorageError
+
+    size = (models["lm"] / "adapter_model.safetensors").stat().st_size
+    with pytest.raises(StorageError) as err:
+        export_adapter(models["lm"], disk / "out")
+    text = str(err.value)
+    assert (
+        f"the disk is full: writing {disk / 'out' / 'adapter_model.safetensors'} needs {size:,} bytes" in text
+    )
+    assert "No manifest was written" in text
+    assert not (disk / "out" / MANIFEST_NAME).exists()

@@ -28,6 +28,7 @@ from visionrl.adapter.manifest import build_manifest, first_bad_file, join, writ
 from visionrl.adapter.storage import filesystem, is_local
 from visionrl.checkpoint import MANIFEST as CHECKPOINT_MANIFEST
 from visionrl.checkpoint import latest_checkpoint, verify_checkpoint
+from visionrl.errors import storage_error
 from visionrl.run_layout import ADAPTER_DIR, CHECKPOINTS_DIR, RUN_CONFIG, RunDir
 
 
@@ -155,7 +156,13 @@ def export_adapter(
     # Exporting a run's adapter/ in place (to add the manifest) needs no copy.
     if not in_place:
         for name in manifest["files"]:
-            _upload_file(fs, adapter_dir / name, join(root, name))
+            try:
+                _upload_file(fs, adapter_dir / name, join(root, name))
+            except OSError as err:  # a full or read-only disk, a denied bucket
+                kept = "No manifest was written, so no reader takes this partial export."
+                raise storage_error(
+                    err, join(root, name), (adapter_dir / name).stat().st_size, kept
+                ) from None
     # Read every upload back before the manifest makes the export visible to readers.
     bad = first_bad_file(fs, root, manifest["files"])
     if bad is not None:

@@ -19,7 +19,8 @@ from visionrl import metrics as tags
 from visionrl.algo import group_advantages, group_stats, groups_with_signal, overlong_penalty
 from visionrl.checkpoint import latest_checkpoint
 from visionrl.config import JobConfig, dump_config
-from visionrl.errors import InputError, OutOfMemory, RunError
+from visionrl.errors import InputError, OutOfMemory, RunError, storage_errors
+from visionrl.files import atomic_write
 from visionrl.metrics import MetricsWriter, Progress
 from visionrl.orchestrate.actors import ray_session, start_actors
 from visionrl.orchestrate.health import RunHealth
@@ -53,7 +54,9 @@ def train(cfg: JobConfig, resume: bool = False) -> TrainResult:
         )
     prompts_in = PromptStream(cfg)  # data and processor first: bad paths fail in seconds, before Ray
     run.root.mkdir(parents=True, exist_ok=True)
-    run.config.write_text(dump_config(cfg))
+    text = dump_config(cfg)
+    with storage_errors(run.config, len(text.encode())):  # a full disk: a clear error before anything starts
+        atomic_write(run.config, text)
     if not resume:
         run.history.unlink(missing_ok=True)
     try:
