@@ -143,10 +143,11 @@ def save_checkpoint(
         tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{step_dir_name(step)}-", dir=root))
         _write_dir(tmp, payload, manifest_bytes)
         _rename_into_place(tmp, final)
-    except OSError as err:  # a full disk, a read-only mount, a lost permission: nothing half-written stays
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as err:  # a full disk, a read-only mount, a lost permission
         raise storage_error(err, final, needed, kept=_kept(root)) from None
+    finally:  # on every way out (an error, Ctrl-C) nothing half-written stays; only a kill leaves a leftover
+        if tmp is not None and tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
     _prune(root, keep, just_saved=final)
     logger.info("checkpoint saved: %s", final)
     return final

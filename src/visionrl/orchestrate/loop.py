@@ -95,8 +95,7 @@ def _train(cfg: JobConfig, run: RunDir, resume: bool, prompts_in: PromptStream) 
         watch = MismatchWatch(cfg.rollout.max_logprob_diff, cfg.rollout.max_logprob_diff_steps)
         start = workers.resume(run.root, prompts_in) if resume else 0
         history_file.trim(run.history, start)  # steps after the checkpoint will be run again
-        if start:
-            tb.purge_from(start + 1)  # ... and shown once in TensorBoard
+        tb.purge_from(start + 1)  # ... and shown once in TensorBoard (a fresh run: none of an earlier one)
         health = RunHealth(cfg.train.max_consecutive_skips)
         progress, acc, above = Progress(cfg.train.steps, start_step=start), None, 0
         history: list[dict[str, Any]] = []
