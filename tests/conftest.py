@@ -59,3 +59,51 @@ def color_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("color")
     make_dataset(out, "color", num_train=256, num_eval=64, seed=0)
     return out
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A factory `small_disk(size_bytes) -> folder` on which writes past `size_bytes` fail with ENOSPC.
+
+    A real tmpfs of that size where this process may mount one (root in a container); elsewhere a disk
+    stood in at visionrl's one write call (`visionrl.files._write_fd`, i.e. os.write), which raises
+    OSError(ENOSPC) once the folder's budget is spent. Unmounted at the end of the test.
+    """
+    import errno
+    import subprocess
+
+    from visionrl import files
+
+    mounted: list[Path] = []
+
+    def make(size_bytes: int) -> Path:
+        folder = tmp_path / f"disk{len(mounted)}"
+        folder.mkdir()
+        try:
+            done = subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(folder)],
+                capture_output=True,
+                check=False,
+            ).returncode
+        except FileNotFoundError:  # no mount command
+            done = 1
+        if done == 0:
+            mounted.append(folder)
+            return folder
+        left = [size_bytes]
+        real = files._write_fd
+
+        def write(fd: int, data: memoryview) -> int:
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith(str(folder)):
+                return real(fd, data)
+            if len(data) > left[0]:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            left[0] -= len(data)
+            return real(fd, data)
+
+        monkeypatch.setattr(files, "_write_fd", write)
+        return folder
+
+    yield make
+    for folder in mounted:
+        subprocess.run(["umount", "-l", str(folder)], check=False)

@@ -5,12 +5,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from visionrl import checkpoint
 from visionrl.checkpoint import (
     CheckpointError,
     latest_checkpoint,
@@ -18,14 +19,19 @@ from visionrl.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from visionrl.errors import InputError
+from visionrl.errors import InputError, NonFiniteError, StorageError
 
 ADAPTER_CONFIG = b'{"r": 8, "lora_alpha": 16}'
 
 
-def _weights(step: int) -> bytes:
-    # Different bytes per step, so a test can tell which step's adapter it got back.
-    return bytes((step * 7 + i) % 256 for i in range(4096))
+def _weights(step: int, fill: float | None = None) -> bytes:
+    # A real safetensors file, different per step, so a test can tell which step's adapter it got back.
+    from safetensors.numpy import save
+
+    values = np.arange(1024, dtype=np.float32) * (step + 1)
+    if fill is not None:
+        values[5] = fill
+    return save({"lora_A": values})
 
 
 def _save(out: Path, step: int, keep: int = 2, trainer_state: bytes | None = None) -> Path:
@@ -104,27 +110,67 @@ def test_leftover_tmp_and_incomplete_step_are_ignored_then_cleaned(
     assert _children(tmp_path) == {"step_1", "step_2"}
 
 
-def test_crash_before_the_manifest_leaves_no_step_dir(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_full_disk_names_path_and_bytes_and_keeps_the_previous_checkpoint(tmp_path: Path, small_disk) -> None:
+    """A checkpoint that does not fit: StorageError naming the step dir and the bytes it needs, the previous
+    checkpoint intact and resumable, no temporary directory left; once there is room the save succeeds."""
+    disk = small_disk(64 * 1024)  # step 1 (about 10 KB) fits, a step with a 200 KB optimizer state does not
+    first = _save(disk, 1)
+    with pytest.raises(StorageError) as err:
+        _save(disk, 2, trainer_state=b"x" * 200_000)
+    text = str(err.value)
+    # needed = adapter config 26 + weights (8 + header + 4096) + trainer state 200000 + sampler state + manifest
+    needed = int(text.split(" needs ")[1].split(" bytes")[0].replace(",", ""))
+    assert 204_000 < needed < 206_000, text
+    assert "the disk is full: writing " + str(disk / "checkpoints" / "step_2") in text
+    assert f"The newest checkpoint {first} is intact." in text and "To fix: free space there" in text
+    assert _children(disk) == {"step_1"}  # no .tmp-step_2-* left behind
+    assert load_checkpoint(latest_checkpoint(disk)).step == 1
+    _save(disk, 2)  # a small one fits
+    assert _children(disk) == {"step_1", "step_2"}
+
+
+def test_unwritable_storage_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    from visionrl import files
+
     _save(tmp_path, 1)
-    real_write = checkpoint._write_synced
 
-    def fail_on_manifest(path: Path, data: bytes) -> None:
-        if path.name == "checkpoint.json":
-            raise OSError("disk full")
-        real_write(path, data)
+    def read_only(fd: int, data: memoryview) -> int:
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
 
-    monkeypatch.setattr(checkpoint, "_write_synced", fail_on_manifest)
-    with pytest.raises(OSError, match="disk full"):
+    monkeypatch.setattr(files, "_write_fd", read_only)
+    with pytest.raises(StorageError, match=r"step_2 cannot be written \(Read-only file system\).*bytes were"):
         _save(tmp_path, 2)
-    assert "step_2" not in _children(tmp_path)
-    assert any(name.startswith(".tmp-step_2-") for name in _children(tmp_path))
-    assert latest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step_1"
+    assert _children(tmp_path) == {"step_1"}
 
-    monkeypatch.setattr(checkpoint, "_write_synced", real_write)
-    _save(tmp_path, 2)
-    assert _children(tmp_path) == {"step_1", "step_2"}
+
+def test_a_nan_adapter_is_never_checkpointed_and_pruning_keeps_the_healthy_one(tmp_path: Path) -> None:
+    healthy = _save(tmp_path, 1, keep=1)
+    with pytest.raises(
+        NonFiniteError, match=r"not saving the checkpoint of step 2: .*1 tensor\(s\) with NaN"
+    ):
+        save_checkpoint(
+            tmp_path, 2, adapter_files={"adapter_model.safetensors": _weights(2, fill=float("nan"))},
+            trainer_state=b"s", sampler_state={}, keep=1,
+        )  # fmt: skip
+    assert _children(tmp_path) == {"step_1"}
+    # A NaN checkpoint written by a run without the guard (checksums consistent): never resumed from, and with
+    # keep=1 the next save keeps the new healthy one rather than counting the NaN one.
+    old = tmp_path / "checkpoints" / "step_2"
+    shutil.copytree(healthy, old)
+    nan = _weights(2, fill=float("inf"))
+    (old / "adapter" / "adapter_model.safetensors").write_bytes(nan)
+    manifest = json.loads((old / "checkpoint.json").read_text())
+    manifest["step"] = 2
+    manifest["files"]["adapter/adapter_model.safetensors"] = {"sha256": hashlib.sha256(nan).hexdigest(),
+                                                              "bytes": len(nan)}  # fmt: skip
+    (old / "checkpoint.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="non-finite adapter"):
+        verify_checkpoint(old)
+    assert latest_checkpoint(tmp_path) == healthy
+    _save(tmp_path, 3, keep=1)
+    assert _children(tmp_path) == {"step_3"}
 
 
 def test_corrupted_file_falls_back_to_previous(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

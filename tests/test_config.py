@@ -476,3 +476,33 @@ def test_resume_and_the_reliability_keys() -> None:
         config_from_dict(apply_overrides(MINIMAL, ["ray.reward_isolation=fork"]))
     with pytest.raises(ConfigError, match=r"ray.call_timeout_s: Input should be greater than 0"):
         config_from_dict(apply_overrides(MINIMAL, ["ray.call_timeout_s=0"]))
+
+
+# --------------------------------------------------------------------------- non-finite values
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "shown"),
+    [("train.lr=.inf", "train.lr", "inf"), ("algorithm.clip_high=.nan", "algorithm.clip_high", "nan"),
+     ("train.betas=[0.9, .nan]", "train.betas.1", "nan"), ("rewards.0.weight=-.inf", "rewards.0.weight", "-inf"),
+     ("ray.reward_timeout_s=.inf", "ray.reward_timeout_s", "inf")],
+)  # fmt: skip
+def test_non_finite_numbers_are_refused_naming_the_key(override: str, key: str, shown: str) -> None:
+    data = {**MINIMAL, "rewards": [{"name": "exact_match"}]}
+    if override.startswith("rewards."):  # overrides address mappings; set the list item directly
+        data = {**MINIMAL, "rewards": [{"name": "exact_match", "weight": float(shown)}]}
+        text = config_error(data)
+    else:
+        text = config_error(data, [override])
+    assert f"  - {key}: must be a finite number (got {shown})" in text
+    assert "write a number such as 1e-5" in text
+
+
+def test_on_nonfinite_defaults_to_skip_with_a_limit() -> None:
+    cfg = config_from_dict(MINIMAL)
+    assert (cfg.train.on_nonfinite, cfg.train.max_consecutive_skips) == ("skip", 3)
+    assert (
+        config_from_dict(apply_overrides(MINIMAL, ["train.on_nonfinite=stop"])).train.on_nonfinite == "stop"
+    )
+    assert "train.on_nonfinite" in config_error(MINIMAL, ["train.on_nonfinite=ignore"])
+    assert "train.max_consecutive_skips" in config_error(MINIMAL, ["train.max_consecutive_skips=0"])

@@ -307,3 +307,18 @@ def test_progress_on_a_tty_draws_a_bar_not_lines() -> None:
 def test_progress_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError, match="total"):
         Progress(0)
+
+
+def test_purge_from_hides_the_steps_a_resumed_run_writes_again(tmp_path: Path) -> None:
+    """Steps 1-3 written, the run resumed from step 2's checkpoint: steps 3 and 4 written again. TensorBoard's
+    own reader shows each step once, step 3 with the new value."""
+    from visionrl.metrics import MetricsWriter, read_scalars
+
+    with MetricsWriter(tmp_path) as tb:
+        for step in (1, 2, 3):
+            tb.scalars(step, {"reward/mean": step / 4})  # exact in float32
+    with MetricsWriter(tmp_path) as tb:
+        tb.purge_from(3)
+        for step in (3, 4):
+            tb.scalars(step, {"reward/mean": step})
+    assert read_scalars(tmp_path)["reward/mean"] == [(1, 0.25), (2, 0.5), (3, 3.0), (4, 4.0)]

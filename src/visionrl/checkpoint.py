@@ -30,9 +30,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from visionrl.errors import InputError
-from visionrl.files import fsync_dir, sha256_bytes, sha256_file
+from visionrl.adapter.finite import describe, nonfinite_in_file, nonfinite_tensors
+from visionrl.errors import InputError, NonFiniteError, storage_error
+from visionrl.files import fsync_dir, sha256_bytes, sha256_file, write_synced
 from visionrl.run_layout import ADAPTER_DIR, CHECKPOINTS_DIR, STEP_PREFIX, step_dir_name
+from visionrl.types import ADAPTER_WEIGHTS
 
 logger = logging.getLogger(__name__)
 
@@ -63,13 +65,6 @@ class Checkpoint:
 
 # --------------------------------------------------------------------------------------------------
 # Small file helpers
-
-
-def _write_synced(path: Path, data: bytes) -> None:
-    with path.open("wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def _check_file_name(name: str) -> None:
@@ -120,19 +115,17 @@ def save_checkpoint(
     sampler_bytes = json.dumps(sampler_state, sort_keys=True).encode()
     extra = dict(extra or {})
     json.dumps(extra)
-
     root = Path(output_dir) / CHECKPOINTS_DIR
-    root.mkdir(parents=True, exist_ok=True)
-    _remove_leftovers(root)
-
-    tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{step_dir_name(step)}-", dir=root))
+    if ADAPTER_WEIGHTS in adapter_files:
+        bad = nonfinite_tensors(adapter_files[ADAPTER_WEIGHTS], f"the adapter of step {step}")
+        if bad:
+            raise NonFiniteError(
+                f"not saving the checkpoint of step {step}: its adapter has {describe(bad)}; a NaN adapter is "
+                f"never checkpointed. {_kept(root)}"
+            )
     payload = {f"{ADAPTER_DIR}/{name}": data for name, data in adapter_files.items()}
     payload[TRAINER_STATE] = trainer_state
     payload[SAMPLER_STATE] = sampler_bytes
-    (tmp / ADAPTER_DIR).mkdir()
-    for rel, data in payload.items():
-        _write_synced(tmp / rel, data)
-    fsync_dir(tmp / ADAPTER_DIR)
     manifest = {
         "format_version": FORMAT_VERSION,
         "step": step,
@@ -140,14 +133,39 @@ def save_checkpoint(
         "files": {rel: {"sha256": sha256_bytes(data), "bytes": len(data)} for rel, data in payload.items()},
         "extra": extra,
     }
-    _write_synced(tmp / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True).encode())
-    fsync_dir(tmp)
-
+    manifest_bytes = json.dumps(manifest, indent=2, sort_keys=True).encode()
+    needed = sum(len(d) for d in payload.values()) + len(manifest_bytes)
     final = root / step_dir_name(step)
-    _rename_into_place(tmp, final)
+    tmp: Path | None = None
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        _remove_leftovers(root)
+        tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{step_dir_name(step)}-", dir=root))
+        _write_dir(tmp, payload, manifest_bytes)
+        _rename_into_place(tmp, final)
+    except OSError as err:  # a full disk, a read-only mount, a lost permission
+        raise storage_error(err, final, needed, kept=_kept(root)) from None
+    finally:  # on every way out (an error, Ctrl-C) nothing half-written stays; only a kill leaves a leftover
+        if tmp is not None and tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
     _prune(root, keep, just_saved=final)
     logger.info("checkpoint saved: %s", final)
     return final
+
+
+def _kept(root: Path) -> str:
+    newest = latest_checkpoint(root.parent)
+    return f"The newest checkpoint {newest} is intact." if newest else "No earlier checkpoint exists."
+
+
+def _write_dir(tmp: Path, payload: dict[str, bytes], manifest_bytes: bytes) -> None:
+    """Every file of the checkpoint into `tmp`, fsynced, the manifest last."""
+    (tmp / ADAPTER_DIR).mkdir()
+    for rel, data in payload.items():
+        write_synced(tmp / rel, data)
+    fsync_dir(tmp / ADAPTER_DIR)
+    write_synced(tmp / MANIFEST, manifest_bytes)
+    fsync_dir(tmp)
 
 
 def _rename_into_place(tmp: Path, final: Path) -> None:
@@ -173,7 +191,7 @@ def _remove_leftovers(root: Path) -> None:
 def _prune(root: Path, keep: int, just_saved: Path) -> None:
     """Keep the newest `keep` complete checkpoints (by step); delete every other step_N directory.
 
-    Damaged and incomplete directories are deleted too: they can never be resumed from, and a damaged
+    Damaged, incomplete and non-finite (NaN adapter) directories are deleted too: they can never be resumed from, and a damaged
     one must not count towards `keep`, or a single bad disk block could leave no usable checkpoint.
     """
     kept: list[Path] = []
@@ -250,6 +268,12 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
                 f"file {rel} of checkpoint {path} does not match its checksum in {MANIFEST}: it was modified or "
                 "damaged after saving; resume from an earlier checkpoint (or delete this one)"
             )
+    weights = path / ADAPTER_DIR / ADAPTER_WEIGHTS
+    bad = nonfinite_in_file(weights) if weights.is_file() else []
+    if bad:  # written by a run without the non-finite guard: never resumed from, never counted as kept
+        raise CheckpointError(
+            f"checkpoint {path} holds a non-finite adapter ({describe(bad)}); resume from an earlier checkpoint"
+        )
     return manifest
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from visionrl.data.images import ImageBudget
@@ -29,6 +29,13 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     if not args.config:
         raise _usage("validate needs a CONFIG path (or --schema)")
     cfg = load_config(args.config, args.overrides)
+    if args.check_data:
+        from visionrl.data import load_dataset
+
+        for key, path in (("data.train", cfg.data.train), ("data.eval", cfg.data.eval)):
+            if path is not None:
+                n = len(load_dataset(path, on_bad_image=cfg.data.on_bad_image))
+                print(f"# {key}: {n} records in {path}", file=sys.stderr)
     print(dump_config(cfg), end="")
     print(f"# {args.config}: valid", file=sys.stderr)
     return 0
@@ -85,7 +92,7 @@ def _eval_budget(args: argparse.Namespace) -> ImageBudget | None:
 def _cmd_eval(args: argparse.Namespace) -> int:
     budget = _eval_budget(args)
     if args.endpoint:
-        from visionrl.eval.endpoint import evaluate_endpoint
+        from visionrl.eval.endpoint import check_failures, evaluate_endpoint
 
         report = evaluate_endpoint(
             endpoint=args.endpoint,
@@ -101,36 +108,45 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             seed=args.seed,
             base=args.base,
             budget=budget,
+            api_key=args.api_key,
         )
-    else:
-        if not args.base:
-            raise _usage("eval needs --base MODEL (local evaluation) or --endpoint URL (a served model)")
-        from visionrl.eval.local import evaluate_local
+        _print_report(report, args.out)
+        check_failures(report, args.max_failed_fraction, args.out)
+        return 0
+    if not args.base:
+        raise _usage("eval needs --base MODEL (local evaluation) or --endpoint URL (a served model)")
+    from visionrl.eval.local import evaluate_local
 
-        report = evaluate_local(
-            base=args.base,
-            adapter=args.adapter,
-            data=args.data,
-            out=args.out,
-            engine=args.engine,
-            ablate_images=args.ablate_images,
-            max_samples=args.max_samples,
-            max_tokens=args.max_tokens,
-            rewards=args.reward,
-            seed=args.seed,
-            budget=budget,
-        )
+    report = evaluate_local(
+        base=args.base,
+        adapter=args.adapter,
+        data=args.data,
+        out=args.out,
+        engine=args.engine,
+        ablate_images=args.ablate_images,
+        max_samples=args.max_samples,
+        max_tokens=args.max_tokens,
+        rewards=args.reward,
+        seed=args.seed,
+        budget=budget,
+    )
+    _print_report(report, args.out)
+    return 0
+
+
+def _print_report(report: dict[str, Any], out: str) -> None:
     print(
         f"accuracy {report['accuracy']:.3f} on {report['num_samples']} samples "
-        f"({report['num_failed']} failed) -> {args.out}"
+        f"({report['num_failed']} failed) -> {out}"
     )
-    return 0
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
     from visionrl.adapter.export import export_adapter
 
-    manifest = export_adapter(args.src, args.dest, allow_unservable=args.allow_unservable)
+    manifest = export_adapter(
+        args.src, args.dest, allow_unservable=args.allow_unservable, overwrite=args.overwrite
+    )
     print(f"exported {len(manifest['files'])} files to {args.dest}")
     return 0
 
@@ -145,7 +161,15 @@ def _cmd_fetch(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from visionrl.serve.server import serve
 
-    return serve(base=args.base, adapters=args.adapter, host=args.host, port=args.port, extra=args.vllm_arg)
+    return serve(
+        base=args.base,
+        adapters=args.adapter,
+        host=args.host,
+        port=args.port,
+        extra=args.vllm_arg,
+        api_key=args.api_key,
+        allow_insecure=args.allow_insecure,
+    )
 
 
 class _UsageError(Exception):
@@ -176,6 +200,11 @@ def _add_serving_commands(
         action="store_true",
         help="export even if vLLM cannot serve the adapter as trained (the problems are listed)",
     )
+    sp.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="write into a destination that holds other files (they are left as they are)",
+    )
 
     sp = add(
         "fetch", _cmd_fetch, "Download an exported adapter, verify it against its manifest, print its path."
@@ -194,8 +223,21 @@ def _add_serving_commands(
         metavar="NAME=SRC",
         help="exported adapter (folder or s3://) served as NAME (repeatable)",
     )
-    sp.add_argument("--host", default="127.0.0.1")
+    sp.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (a non-loopback one needs an API key)"
+    )
     sp.add_argument("--port", type=int, default=8000)
+    sp.add_argument(
+        "--api-key",
+        default=None,
+        help="require this bearer token on every /v1 endpoint, adapter load/unload included (default: "
+        "$VLLM_API_KEY; the environment variable keeps it out of the process list)",
+    )
+    sp.add_argument(
+        "--allow-insecure",
+        action="store_true",
+        help="serve on a non-loopback --host without an API key (only on a closed network)",
+    )
     sp.add_argument(
         "--vllm-arg",
         action="append",
@@ -236,6 +278,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("config", nargs="?", help="job file (YAML)")
     sp.add_argument("overrides", nargs="*", help="key=value overrides")
     sp.add_argument("--schema", action="store_true", help="print the JSON schema of job files")
+    sp.add_argument(
+        "--check-data",
+        action="store_true",
+        help="also load data.train and data.eval (every record and image checked, as training does)",
+    )
 
     sp = add(
         "eval",
@@ -259,6 +306,15 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--model", help="served evaluation: model or adapter name at the endpoint")
     sp.add_argument("--concurrency", type=int, default=8, help="parallel requests (served evaluation)")
     sp.add_argument("--timeout", type=float, default=60.0, help="seconds per request (served evaluation)")
+    sp.add_argument(
+        "--max-failed-fraction",
+        type=float,
+        default=0.1,
+        help="served evaluation: exit 1 (report still written) when more requests than this share failed",
+    )
+    sp.add_argument(
+        "--api-key", default=None, help="served evaluation: the server's API key (default: $VLLM_API_KEY)"
+    )
     sp.add_argument(
         "--ablate-images", action="store_true", help="permute images across samples (does it look?)"
     )

@@ -30,7 +30,9 @@ MERGER_PROJECTIONS = (
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: `.inf` and `.nan` are valid YAML floats, and `train.lr: .inf` would only show up as a
+    # non-finite loss after the run started; every float field refuses them at validation.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ModelConfig(_Section):
@@ -282,6 +284,18 @@ class TrainConfig(_Section):
     target_accuracy: float | None = Field(
         None, gt=0.0, le=1.0, description="Stop early after two consecutive evals at or above this accuracy."
     )
+    on_nonfinite: Literal["skip", "stop"] = Field(
+        "skip",
+        description="An update whose loss or gradient norm is NaN or infinite is never applied. skip: count it "
+        "(faults/skipped_updates) and go on, stopping after max_consecutive_skips such steps in a row; stop: "
+        "stop the run at the first one. Checkpoints keep the last applied (finite) adapter either way.",
+    )
+    max_consecutive_skips: int = Field(
+        3,
+        ge=1,
+        description="Steps in a row without a usable update (every update skipped as non-finite, or a reward "
+        "that failed on every sample) after which the run stops with the first errors shown.",
+    )
 
     @field_validator("betas")
     @classmethod
@@ -469,6 +483,11 @@ def _format_errors(err: ValidationError, source: str) -> str:
             )
         elif kind == "missing":
             lines.append(f"  - {key}: required key is missing; add it to the job file")
+        elif kind == "finite_number":
+            lines.append(
+                f"  - {key}: must be a finite number (got {e.get('input')!r}): NaN or infinity would make every "
+                "loss non-finite; write a number such as 1e-5"
+            )
         elif not e["loc"]:
             # A cross-field check: its message names the keys itself; the input would be the whole file.
             lines.append(f"  - {e['msg'].removeprefix('Value error, ')}")

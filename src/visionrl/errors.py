@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
 
 class InputError(ValueError):
     """Bad input from the user (job file, data, adapter, arguments). The message says what, why and what to do."""
@@ -9,6 +16,15 @@ class InputError(ValueError):
 
 class RunError(RuntimeError):
     """The run failed at run time (an actor died, an engine broke); the message says how to continue."""
+
+
+class NonFiniteError(RunError):
+    """Training produced a NaN or infinite loss or gradient (the update was not applied)."""
+
+
+class StorageError(RunError):
+    """A file could not be written (disk full, read-only, no permission); the message names the path, the
+    bytes needed and what was kept intact."""
 
 
 BAD_INPUT_ERRORS: tuple[type[BaseException], ...] = (InputError,)
@@ -68,3 +84,34 @@ class Preempted(RunError):
     @property
     def exit_status(self) -> int:
         return 128 + self.signum
+
+
+def storage_error(err: OSError, path: str | os.PathLike[str], needed: int, kept: str = "") -> StorageError:
+    """The StorageError for `err` raised while writing `needed` bytes to `path`: what, how much, what to do."""
+    where = Path(path)
+    free = ""
+    for parent in (where, *where.parents):
+        if parent.exists():
+            free = f", {shutil.disk_usage(parent).free:,} bytes free there"
+            break
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        why = f"the disk is full: writing {where} needs {needed:,} bytes{free}"
+        fix = "free space there, or point output_dir at a larger disk"
+    elif err.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        why = (
+            f"{where} cannot be written ({os.strerror(err.errno or 0)}); {needed:,} bytes were to be written"
+        )
+        fix = "give the run write access there, or choose another output_dir"
+    else:
+        why = f"writing {needed:,} bytes to {where} failed: {err.strerror or err}"
+        fix = "check the storage"
+    return StorageError(f"{why}. {kept + ' ' if kept else ''}To fix: {fix}.")
+
+
+@contextlib.contextmanager
+def storage_errors(path: str | os.PathLike[str], needed: int, kept: str = "") -> Iterator[None]:
+    """Turn an OSError of the writes inside (a full disk, a read-only mount) into `storage_error`'s StorageError."""
+    try:
+        yield
+    except OSError as err:
+        raise storage_error(err, path, needed, kept) from None

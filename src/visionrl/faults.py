@@ -23,6 +23,7 @@ FAULTS = {
     "kill_reward_worker": "once: reward worker 0 exits on its 2nd score call",
     "hang_reward_worker": "once: reward worker 0 blocks forever (a reward holding the GIL) on its 2nd score call",
     "kill_learner": "the learner exits during its 2nd train_step",
+    "nonfinite_loss": "every learner update computes a NaN loss (and so NaN gradients), as a diverged run does",
 }
 AT_CALL = 2  # the faulty actors misbehave on this call of theirs (the first one shows the run was healthy)
 

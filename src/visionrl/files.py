@@ -1,8 +1,11 @@
-"""File helpers shared by checkpoints, adapters, fetched copies and reports: sha256 and atomic writes.
+"""File helpers shared by checkpoints, adapters, fetched copies and reports: sha256, synced and atomic writes,
+and the error a full or unwritable disk gives.
 
 One sha256 reader streams in chunks (checkpoints hold GB-sized optimizer states, adapters of large models
 are hundreds of MB) and can copy while it hashes; one atomic write puts bytes beside the target and renames
-them over it, so a reader never sees half a file, even if the writer is killed.
+them over it, so a reader never sees half a file, even if the writer is killed. Every write of a run's files
+goes through `write_synced`; its callers turn the OSError of a full disk (ENOSPC), a read-only mount or a missing
+permission into a `visionrl.errors.StorageError` naming the path and the bytes needed (`errors.storage_errors`).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 CHUNK = 1 << 20
+_write_fd = os.write  # the one call that puts bytes on disk (tests stand a full disk in for it)
 
 
 def sha256_bytes(data: bytes) -> str:
@@ -48,16 +52,29 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
+def write_synced(path: str | os.PathLike[str], data: bytes, *, append: bool = False) -> None:
+    """Write (or append) `data` to `path` and fsync it. OSError (a full disk...) propagates to the caller, who
+    knows what to clean up; `visionrl.errors.storage_error` turns it into the user's message."""
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC)
+    fd = os.open(path, flags, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[_write_fd(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def atomic_write(path: str | os.PathLike[str], data: bytes | str) -> None:
-    """Write `data` (str as UTF-8) to `path` atomically: to a temporary file beside it, fsynced, then renamed."""
+    """Write `data` (str as UTF-8) to `path` atomically: to a temporary file beside it, fsynced, then renamed.
+    On a full or unwritable disk: OSError, the old file untouched and no temporary file left."""
     target = Path(path)
     payload = data.encode("utf-8") if isinstance(data, str) else data
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
+        write_synced(tmp, payload)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):

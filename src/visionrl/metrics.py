@@ -80,6 +80,7 @@ ENGINE_WAKE = "timing/engine_wake_s"  # ... and waking them before the sync
 ACTOR_RESTARTS = (
     "faults/actor_restarts"  # engines and reward workers restarted in this run (ray.max_actor_restarts)
 )
+SKIPPED_UPDATES = "faults/skipped_updates"  # learner updates not applied: non-finite loss or gradient
 REWARD_HIST = "reward/hist"
 LENGTH_HIST = "response/length_hist"
 SAMPLES_PREFIX = "samples/"
@@ -138,6 +139,15 @@ class MetricsWriter:
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._writer = SummaryWriter(log_dir=str(self.log_dir))
+
+    def purge_from(self, step: int) -> None:
+        """Hide every event of `step` and later already in `log_dir` (a resumed run re-runs those steps): TensorBoard
+        then shows each step once, the new value. Call before writing anything for `step`."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        # The purge marker is written when a writer opens its event file, so a new writer (new file) carries it.
+        self._writer.close()
+        self._writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=step)
 
     def scalars(self, step: int, values: Mapping[str, float | None]) -> None:
         """Write each value of `values` under its tag; None means "not measured this step" and is skipped."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -440,3 +441,75 @@ def test_export_through_a_non_local_fsspec_filesystem(tmp_path: Path, models: di
             verify_adapter(url)
     finally:
         fs.rm(root, recursive=True)
+
+
+def test_a_foreign_non_empty_folder_is_refused_unless_overwrite(
+    tmp_path: Path, models: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from visionrl.cli import main
+
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    (dest / "notes.txt").write_text("mine")
+    assert main(["export", str(models["lm"]), str(dest)]) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"export destination {dest} is not empty and holds files that are not an adapter export: notes.txt"
+        in err
+    )
+    assert "--overwrite" in err
+    assert sorted(p.name for p in dest.iterdir()) == ["notes.txt"]  # nothing written
+    assert main(["export", str(models["lm"]), str(dest), "--overwrite"]) == 0
+    assert (dest / "notes.txt").read_text() == "mine"  # the user's file is left alone
+    verify_adapter(str(dest))
+    # An earlier export is not foreign: exporting over it needs no flag.
+    again = tmp_path / "again"
+    export_adapter(models["lm"], again)
+    export_adapter(models["merger"], again)
+    assert verify_adapter(str(again))["files"]["adapter_model.safetensors"]["sha256"] == _sha(
+        models["merger"] / "adapter_model.safetensors"
+    )
+
+
+def test_an_adapter_with_nan_weights_is_never_exported(
+    tmp_path: Path, models: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from safetensors.numpy import load_file, save_file
+
+    from visionrl.cli import main
+
+    bad = tmp_path / "nan-adapter"
+    shutil.copytree(models["lm"], bad)
+    weights = load_file(str(bad / "adapter_model.safetensors"))
+    name = sorted(weights)[0]
+    weights[name] = weights[name].copy()
+    weights[name].flat[0] = float("nan")
+    save_file(weights, str(bad / "adapter_model.safetensors"))
+    assert main(["export", str(bad), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"refusing to export {bad}: its weights have 1 tensor(s) with NaN or infinite values, e.g. {name}"
+        in err
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_full_disk_during_export_names_the_file_and_leaves_no_manifest(
+    models: dict[str, Path], small_disk
+) -> None:
+    """fsspec's local copy writes through Python's file objects, not visionrl's write call: this needs the real
+    small tmpfs (skipped where it cannot be mounted)."""
+    disk = small_disk(16 * 1024)  # the adapter's weights are larger than 16 KiB
+    if not os.path.ismount(disk):
+        pytest.skip("no tmpfs could be mounted: fsspec's copy bypasses the stood-in write call")
+    from visionrl.errors import StorageError
+
+    size = (models["lm"] / "adapter_model.safetensors").stat().st_size
+    with pytest.raises(StorageError) as err:
+        export_adapter(models["lm"], disk / "out")
+    text = str(err.value)
+    assert (
+        f"the disk is full: writing {disk / 'out' / 'adapter_model.safetensors'} needs {size:,} bytes" in text
+    )
+    assert "No manifest was written" in text
+    assert not (disk / "out" / MANIFEST_NAME).exists()

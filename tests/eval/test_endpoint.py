@@ -245,3 +245,28 @@ def test_bad_arguments_are_input_errors(tmp_path: Path) -> None:
 
 def test_data_url_is_a_png() -> None:
     assert image_data_url(Image.new("RGB", (1, 1))).startswith("data:image/png;base64,iVBOR")
+
+
+def test_cli_exits_1_when_too_many_requests_failed(
+    endpoint: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """2 of 5 requests fail (HTTP 500 and a timeout): 0.4 > the default 0.1, so exit 1 with the first errors and
+    the report still written; allowing half to fail exits 0; a server that is not there fails all: exit 1."""
+    from visionrl.cli import main
+    from visionrl.serve.process import free_port
+
+    data = str(_write_data(tmp_path, ROWS))
+    argv = ["eval", "--endpoint", endpoint, "--model", "a1", "--data", data, "--out", str(tmp_path / "r.json"),
+            "--timeout", "0.5", "--max-tokens", "3"]  # fmt: skip
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert f"error: 2 of 5 requests to {endpoint} failed, more than --max-failed-fraction=0.1" in err
+    assert (
+        "  - s3: InternalServerError" in err and "engine crashed" in err and "  - s4: APITimeoutError" in err
+    )
+    assert json.loads((tmp_path / "r.json").read_text())["num_failed"] == 2
+    assert main([*argv, "--max-failed-fraction", "0.5"]) == 0
+    gone = ["eval", "--endpoint", f"http://127.0.0.1:{free_port()}/v1", "--model", "a1", "--data", data,
+            "--out", str(tmp_path / "gone.json"), "--timeout", "1"]  # fmt: skip
+    assert main(gone) == 1
+    assert "5 of 5 requests" in capsys.readouterr().err

@@ -274,3 +274,36 @@ def test_engine_mismatch_is_measured_before_the_update(tiny_model: Path, color_d
     assert learner.train_step(batch)["rollout/logprob_diff"] < 1e-6
     # and the update did move the policy: the same measure now shows the drift
     assert learner.train_step(batch)["rollout/logprob_diff"] > 1e-3
+
+
+@pytest.mark.slow
+def test_a_non_finite_update_is_not_applied(tiny_model: Path, color_data: Path) -> None:
+    """One NaN advantage makes the loss NaN: with on_nonfinite=skip the weights, optimizer state, learning-rate
+    schedule and version stay as they were and the step reports one skipped update; the next finite batch is
+    applied. With on_nonfinite=stop the same batch raises NonFiniteError and changes nothing either."""
+    from dataclasses import replace
+
+    from visionrl.errors import NonFiniteError
+    from visionrl.metrics import SKIPPED_UPDATES
+
+    learner = Learner(_cfg(tiny_model, color_data), device="cpu")
+    batch = _batch(learner, color_data)
+    poisoned = TrainBatch(
+        batch.prompts, [replace(batch.sequences[0], advantage=float("nan")), *batch.sequences[1:]]
+    )
+    before = {n: p.detach().clone() for n, p in learner.model.named_parameters() if p.requires_grad}
+    stats = learner.train_step(poisoned)
+    assert stats[SKIPPED_UPDATES] == 1.0 and stats["updates"] == 1.0 and learner.version == 0
+    assert stats["policy/grad_norm"] != stats["policy/grad_norm"]  # NaN
+    after = dict(learner.model.named_parameters())
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    assert not learner.optimizer.state  # AdamW never saw the NaN gradient
+    assert learner.scheduler.last_epoch == 0
+    stats = learner.train_step(batch)
+    assert stats[SKIPPED_UPDATES] == 0.0 and learner.version == 1
+    assert any(not torch.equal(before[n], after[n]) for n in before)
+
+    strict = Learner(_cfg(tiny_model, color_data, train={"on_nonfinite": "stop"}), device="cpu")
+    with pytest.raises(NonFiniteError, match=r"non-finite loss \(nan\).*train\.on_nonfinite=stop"):
+        strict.train_step(poisoned)
+    assert strict.version == 0 and not strict.optimizer.state

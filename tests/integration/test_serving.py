@@ -4,6 +4,7 @@ two LoRA adapters (language model + vision merger, random non-zero B) are export
 (moto, in a child process), one is served from s3:// at start and the other loaded at run time by the real vLLM OpenAI server
 (CPU build); served evaluation through the openai client must give the same greedy answers as local vLLM
 evaluation of the same adapter; a tampered or incomplete export is refused; unloading removes an adapter.
+The server runs with an API key: without it completions, the model list and adapter load/unload are refused.
 The vLLM server is started once for the module (each start costs about 40-55 s).
 """
 
@@ -32,6 +33,7 @@ from visionrl.serve.server import start_server
 pytestmark = pytest.mark.slow
 
 BUCKET = "visionrl-test"
+KEY = "test-key-7f3a"  # the server's API key
 NUM_SAMPLES = 16
 MAX_TOKENS = 4
 
@@ -99,14 +101,14 @@ def exports(s3: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory)
 def server(exports: dict[str, Any], tiny_model: Path, s3: str) -> Iterator[ServerHandle]:
     log = exports["root"] / "server.log"
     with start_server(str(tiny_model), {"a1": f"{s3}/a1"}, cache_dir=exports["root"] / "cache", log_path=log,
-                      max_loras=2) as handle:  # fmt: skip
+                      max_loras=2, api_key=KEY) as handle:  # fmt: skip
         yield handle
 
 
 @pytest.fixture(scope="module")
 def a2_copy(server: ServerHandle, exports: dict[str, Any], s3: str) -> Path:
     """a2, loaded at run time; returns the verified local copy the server reads."""
-    return load_adapter(server.url, "a2", f"{s3}/a2", cache_dir=exports["root"] / "cache")
+    return load_adapter(server.url, "a2", f"{s3}/a2", cache_dir=exports["root"] / "cache", api_key=KEY)
 
 
 def test_exports_on_s3_verify_and_need_the_tower_flag(exports: dict[str, Any], s3: str) -> None:
@@ -119,7 +121,7 @@ def test_exports_on_s3_verify_and_need_the_tower_flag(exports: dict[str, Any], s
 
 def test_server_lists_the_start_and_run_time_adapters(server: ServerHandle, a2_copy: Path) -> None:
     assert "--enable-tower-connector-lora" in server.command
-    models = list_models(server.base_url)
+    models = list_models(server.base_url, api_key=KEY)
     assert {"a1", "a2"} <= set(models) and len(models) == 3  # and the base model
 
 
@@ -145,16 +147,22 @@ def test_served_answers_equal_local_vllm_answers(
             out=str(tmp_path / "a1.json"),
             concurrency=4,
             base=str(tiny_model),
+            api_key=KEY,
             **common,
         ),  # fmt: skip
         "base": evaluate_endpoint(
-            server.base_url, str(tiny_model), out=str(tmp_path / "base.json"), base=str(tiny_model), **common
+            server.base_url,
+            str(tiny_model),
+            out=str(tmp_path / "base.json"),
+            base=str(tiny_model),
+            api_key=KEY,
+            **common,
         ),  # fmt: skip
     }
     # a2 through the command line, as a user would.
     argv = ["eval", "--endpoint", server.base_url, "--model", "a2", "--base", str(tiny_model), "--data", data,
             "--out", str(tmp_path / "a2.json"), "--max-samples", str(NUM_SAMPLES), "--max-tokens", str(MAX_TOKENS)]  # fmt: skip
-    assert main(argv) == 0
+    assert main([*argv, "--api-key", KEY]) == 0
     served["a2"] = json.loads((tmp_path / "a2.json").read_text())
 
     for name, adapter in (("a1", str(exports["a1"])), ("a2", str(a2_copy))):
@@ -186,14 +194,17 @@ def test_tampered_and_incomplete_exports_are_refused(
     ):
         fetch_adapter(f"{s3}/a3", tmp_path / "cache")
     with pytest.raises(ExportError, match=r"adapter_model\.safetensors"):
-        load_adapter(server.url, "a3", f"{s3}/a3", cache_dir=tmp_path / "cache")
+        load_adapter(server.url, "a3", f"{s3}/a3", cache_dir=tmp_path / "cache", api_key=KEY)
     fs.rm(f"{root}/{MANIFEST_NAME}")
     with pytest.raises(ExportError, match="not a complete export"):
-        load_adapter(server.url, "a3", f"{s3}/a3", cache_dir=tmp_path / "cache")
-    assert "a3" not in list_models(server.url)
+        load_adapter(server.url, "a3", f"{s3}/a3", cache_dir=tmp_path / "cache", api_key=KEY)
+    assert "a3" not in list_models(server.url, api_key=KEY)
 
 
-def test_unload_removes_an_adapter(server: ServerHandle, exports: dict[str, Any], s3: str) -> None:
+def test_unload_removes_an_adapter(
+    server: ServerHandle, exports: dict[str, Any], s3: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("VLLM_API_KEY", KEY)  # the clients' default: the variable the server reads too
     load_adapter(server.url, "a1-again", f"{s3}/a1", cache_dir=exports["root"] / "cache")
     assert "a1-again" in list_models(server.url)
     unload_adapter(server.url, "a1-again")
@@ -201,3 +212,28 @@ def test_unload_removes_an_adapter(server: ServerHandle, exports: dict[str, Any]
     with pytest.raises(ServerError, match="a1-again") as err:
         unload_adapter(server.url, "a1-again")
     assert err.value.status == 404
+
+
+def test_without_the_api_key_nothing_under_v1_is_served(
+    server: ServerHandle, a2_copy: Path, exports: dict[str, Any], color_data: Path, tmp_path: Path
+) -> None:
+    """No key or a wrong one: 401 for completions, the model list and run-time load/unload (the adapter
+    stays loaded, no new one appears); the key is not on the server's command line; /health stays open."""
+    from visionrl.serve.process import http_json
+
+    assert KEY not in " ".join(server.command)
+    chat = {"model": "a2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    calls = [("GET", "/v1/models", None), ("POST", "/v1/chat/completions", chat),
+             ("POST", "/v1/load_lora_adapter", {"lora_name": "intruder", "lora_path": str(a2_copy)}),
+             ("POST", "/v1/unload_lora_adapter", {"lora_name": "a2"})]  # fmt: skip
+    for key in (None, "wrong-key"):
+        for method, path, body in calls:
+            with pytest.raises(ServerError) as err:
+                http_json(method, server.url + path, body, api_key=key)
+            assert err.value.status == 401, (key, path)
+    assert set(list_models(server.url, api_key=KEY)) >= {"a1", "a2"}
+    assert "intruder" not in list_models(server.url, api_key=KEY)
+    http_json("GET", server.url + "/health")  # no key needed: load balancers probe it
+    report = evaluate_endpoint(server.base_url, "a2", str(color_data / "eval.jsonl"), str(tmp_path / "r.json"),
+                               max_samples=2, max_tokens=2, max_retries=0, api_key="wrong-key")  # fmt: skip
+    assert report["num_failed"] == 2 and "AuthenticationError" in report["samples"][0]["error"]

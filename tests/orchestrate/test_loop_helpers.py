@@ -230,3 +230,18 @@ def test_mask_truncated_leaves_cut_completions_out_of_the_loss() -> None:
     assert [s.advantage for s in masked.sequences] == [0.0, 1.0, 2.0, 3.0, 4.0]
     _, m = _shape_rewards(torch.zeros(6), _groups(), _shaping_cfg(mask_truncated=True))
     assert m["response/truncated_masked"] == 1.0
+
+
+def test_a_restart_without_resume_into_a_run_with_checkpoints_is_refused(tmp_path) -> None:
+    """A re-run of the same command must not overwrite a run's checkpoints: InputError (exit 2) before any
+    data, model or Ray starts, and the folder is left as it was."""
+    from visionrl.errors import InputError
+    from visionrl.orchestrate.loop import train
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_4").mkdir(parents=True)
+    cfg = config_from_dict({"output_dir": str(run), "model": {"path": "nowhere"}, "data": {"train": "none.jsonl"},
+                            "rewards": [{"name": "exact_match"}]})  # fmt: skip
+    with pytest.raises(InputError, match=r"holds checkpoints of an earlier run; continue it with `--resume`"):
+        train(cfg)
+    assert sorted(p.name for p in run.rglob("*")) == ["checkpoints", "step_4"]

@@ -481,3 +481,76 @@ def test_adapters_trained_with_different_budgets_cannot_share_a_server(tmp_path:
     same = served_adapter("c", _with_manifest(_make_adapter(tmp_path / "c"), {"max_pixels": 200_704}))
     cmd = server_command("base", [a, same], host="h", port=1, cpu=False)
     assert json.loads(_flag(cmd, "--mm-processor-kwargs"))["size"]["longest_edge"] == 200_704
+
+
+# --------------------------------------------------------------------------- API key and exposure
+
+
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [("127.0.0.1", True), ("127.3.0.9", True), ("::1", True), ("localhost", True), ("0.0.0.0", False),
+     ("10.1.2.3", False), ("::", False), ("node-7.cluster", False)],
+)  # fmt: skip
+def test_only_loopback_addresses_count_as_private(host: str, loopback: bool) -> None:
+    from visionrl.serve.server import is_loopback
+
+    assert is_loopback(host) is loopback
+
+
+def test_a_network_address_needs_a_key_or_allow_insecure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Refused before anything starts; with a key the key reaches vLLM through its environment only (argv is
+    readable by every local user), and the handle sends it; $VLLM_API_KEY is the default key."""
+    from visionrl.cli import main
+    from visionrl.serve.server import prepare_server
+
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    base = str(tmp_path)
+    assert main(["serve", "--base", base, "--host", "0.0.0.0", "--port", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "error: --host 0.0.0.0 makes the server reachable from the network" in err
+    assert "--api-key KEY or the environment variable VLLM_API_KEY" in err and "--allow-insecure" in err
+    open_handle = prepare_server(base, host="0.0.0.0", port=1, allow_insecure=True)
+    assert open_handle.api_key is None and "VLLM_API_KEY" not in (open_handle.env or {})
+    handle = prepare_server(base, host="0.0.0.0", port=1, api_key="s3cret")
+    assert handle.api_key == "s3cret" and (handle.env or {})["VLLM_API_KEY"] == "s3cret"
+    assert "s3cret" not in " ".join(handle.command)
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")
+    assert prepare_server(base, host="0.0.0.0", port=1).api_key == "from-env"
+
+
+class _KeyedAPI(BaseHTTPRequestHandler):
+    """Answers GET /v1/models only with `Authorization: Bearer k1`, like vLLM started with an API key."""
+
+    def do_GET(self) -> None:
+        ok = self.headers.get("Authorization") == "Bearer k1"
+        body = json.dumps(
+            {"data": [{"id": "base"}]} if ok else {"error": {"message": "Unauthorized"}}
+        ).encode()
+        self.send_response(200 if ok else 401)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_clients_send_the_key_and_a_missing_key_is_a_401(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _KeyedAPI)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        with pytest.raises(ServerError, match="HTTP 401: Unauthorized") as err:
+            list_models(url)
+        assert err.value.status == 401
+        assert list_models(url, api_key="k1") == ["base"]
+        monkeypatch.setenv("VLLM_API_KEY", "k1")
+        assert list_models(url) == ["base"]
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()

@@ -23,10 +23,12 @@ from visionrl.adapter.files import (
     read_adapter_config,
     read_json_object,
 )
+from visionrl.adapter.finite import describe, nonfinite_in_file
 from visionrl.adapter.manifest import build_manifest, first_bad_file, join, write_manifest
 from visionrl.adapter.storage import filesystem, is_local
 from visionrl.checkpoint import MANIFEST as CHECKPOINT_MANIFEST
 from visionrl.checkpoint import latest_checkpoint, verify_checkpoint
+from visionrl.errors import storage_error
 from visionrl.run_layout import ADAPTER_DIR, CHECKPOINTS_DIR, RUN_CONFIG, RunDir
 
 
@@ -89,19 +91,43 @@ def _upload_file(fs: fsspec.AbstractFileSystem, local: Path, remote: str) -> Non
     fs.put_file(str(local), remote)  # streams; adapters of large models are hundreds of MB
 
 
+def _refuse_foreign_files(fs: fsspec.AbstractFileSystem, root: str, ours: set[str], dest: str) -> None:
+    """A destination holding files that are not an earlier export's would get ours mixed into it: refuse."""
+    if not fs.exists(root):
+        return
+    names = {str(p).rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)}
+    foreign = sorted(names - ours - {MANIFEST_NAME})
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise ExportError(
+            f"export destination {dest} is not empty and holds files that are not an adapter export: {shown}. "
+            "Export to a new or empty folder, or pass --overwrite (overwrite=True) to write the adapter there "
+            "anyway (those files are left as they are)"
+        )
+
+
 def export_adapter(
     src: str | os.PathLike[str],
     dest: str | os.PathLike[str],
     *,
     eval_results: dict[str, Any] | None = None,
     allow_unservable: bool = False,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Export the adapter of `src` (a run dir, a checkpoint dir or an adapter dir) to `dest` (a folder or URL).
 
-    Order: serving check (fails before any upload unless `allow_unservable`), upload of the PEFT files,
-    read-back check of every upload, and the manifest LAST. Returns the manifest.
+    Order: the weights must be finite, the serving check (fails before any upload unless `allow_unservable`),
+    a destination with foreign files is refused (unless `overwrite`), upload of the PEFT files, read-back check
+    of every upload, and the manifest LAST. Returns the manifest.
     """
     adapter_dir, run_dir = _resolve_source(Path(src))
+    weights = adapter_dir / ADAPTER_WEIGHTS
+    nonfinite = nonfinite_in_file(weights) if weights.is_file() else []
+    if nonfinite:
+        raise ExportError(
+            f"refusing to export {adapter_dir}: its weights have {describe(nonfinite)}, so every answer of the served "
+            "model would be garbage; export an earlier checkpoint (checkpoints/step_N) of the run instead"
+        )
     base_model, job_config, run_eval = _run_context(adapter_dir, run_dir)
     results = eval_results if eval_results is not None else run_eval
     manifest = build_manifest(
@@ -119,15 +145,24 @@ def export_adapter(
         )
 
     fs, root = filesystem(dest)
+    in_place = is_local(fs) and Path(root).resolve() == adapter_dir.resolve()
+    if not overwrite and not in_place:
+        _refuse_foreign_files(fs, root, set(manifest["files"]), os.fspath(dest))
     fs.makedirs(root, exist_ok=True)
     manifest_path = join(root, MANIFEST_NAME)
     if fs.exists(manifest_path):
         # Re-export over an old one: drop the old manifest first, so nobody reads new files under it.
         fs.rm(manifest_path)
     # Exporting a run's adapter/ in place (to add the manifest) needs no copy.
-    if not (is_local(fs) and Path(root).resolve() == adapter_dir.resolve()):
+    if not in_place:
         for name in manifest["files"]:
-            _upload_file(fs, adapter_dir / name, join(root, name))
+            try:
+                _upload_file(fs, adapter_dir / name, join(root, name))
+            except OSError as err:  # a full or read-only disk, a denied bucket
+                kept = "No manifest was written, so no reader takes this partial export."
+                raise storage_error(
+                    err, join(root, name), (adapter_dir / name).stat().st_size, kept
+                ) from None
     # Read every upload back before the manifest makes the export visible to readers.
     bad = first_bad_file(fs, root, manifest["files"])
     if bad is not None:

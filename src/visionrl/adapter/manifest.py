@@ -30,6 +30,7 @@ from visionrl.adapter.files import (
 from visionrl.adapter.servable import check_servable
 from visionrl.adapter.storage import filesystem, is_local
 from visionrl.data.images import ImageBudget
+from visionrl.errors import storage_errors
 from visionrl.files import atomic_write, sha256_bytes, sha256_stream
 
 FORMAT_VERSION = 1
@@ -171,7 +172,10 @@ def write_manifest(fs: fsspec.AbstractFileSystem, root: str, manifest: dict[str,
     data = json.dumps(manifest, indent=2, sort_keys=True).encode() + b"\n"
     target = join(root, MANIFEST_NAME)
     if is_local(fs):
-        atomic_write(target, data)
+        with storage_errors(
+            target, len(data), kept="No manifest was written, so no reader takes this export."
+        ):
+            atomic_write(target, data)
     else:
         fs.pipe_file(target, data)
 

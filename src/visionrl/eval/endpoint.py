@@ -24,13 +24,14 @@ from urllib.parse import urlsplit
 from PIL import Image
 
 from visionrl.data.images import ImageBudget, fit_image, grid_factor
-from visionrl.errors import InputError
+from visionrl.errors import InputError, RunError
 from visionrl.eval.report import summarize, write_report
 from visionrl.eval.scoring import ablate, score_generations
 from visionrl.rewards import RewardSpec, build_reward_fn
 from visionrl.types import Generation, PromptItem
 
 FORBIDDEN_BIAS = -100  # the most negative logit bias the OpenAI API accepts
+MAX_FAILED_FRACTION = 0.1  # `visionrl eval --endpoint` exits non-zero when more requests than this failed
 
 
 def image_data_url(image: Image.Image) -> str:
@@ -113,7 +114,8 @@ def request_answers(
     `concurrency` requests are in flight at once; each gets `timeout_s` seconds per attempt and up to
     `max_retries` retries (the client's backoff, on connection errors, timeouts, 408/409/429 and 5xx).
     `forbidden_token_ids` get a logit bias of -100, as local evaluation forbids vision tokens. The API key
-    is `api_key`, else $OPENAI_API_KEY, else "EMPTY" (vLLM without --api-key accepts any).
+    is `api_key`, else $OPENAI_API_KEY, else $VLLM_API_KEY (what `visionrl serve` protects the server with),
+    else "EMPTY" (a server without a key accepts any).
     """
     from openai import OpenAI
 
@@ -121,7 +123,7 @@ def request_answers(
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     client = OpenAI(
         base_url=openai_base_url(endpoint),
-        api_key=api_key or os.environ.get("OPENAI_API_KEY") or "EMPTY",
+        api_key=api_key or os.environ.get("OPENAI_API_KEY") or os.environ.get("VLLM_API_KEY") or "EMPTY",
         timeout=timeout_s,
         max_retries=max_retries,
     )
@@ -166,6 +168,7 @@ def evaluate_endpoint(
     base: str | None = None,
     max_retries: int = 2,
     budget: ImageBudget | None = None,
+    api_key: str | None = None,
 ) -> dict[str, Any]:
     """Evaluate the model or adapter `model` served at `endpoint` (OpenAI base URL) on `data`; write and
     return the report, in the format of `evaluate_local`.
@@ -210,6 +213,7 @@ def evaluate_endpoint(
             timeout_s=timeout_s,
             max_retries=max_retries,
             forbidden_token_ids=forbidden,
+            api_key=api_key,
         )
         records = score_generations(prompts, generations, reward_fn)
         duration_s = time.perf_counter() - t0
@@ -224,3 +228,20 @@ def evaluate_endpoint(
                        ablate_images=ablate_images, extra=extra)  # fmt: skip
     write_report(report, out)
     return report
+
+
+def check_failures(report: dict[str, Any], max_failed_fraction: float, out: str) -> None:
+    """Raise RunError when more than `max_failed_fraction` of the requests failed: an accuracy over the few
+    answers left (or 0.0 with none) is not a measurement. The message shows the first errors."""
+    failed, total = int(report["num_failed"]), int(report["num_samples"])
+    if total == 0 or failed / total <= max_failed_fraction:
+        return
+    errors = [f"  - {s['id']}: {s['error']}" for s in report["samples"] if s.get("error")][:3]
+    raise RunError(
+        f"{failed} of {total} requests to {report.get('endpoint', 'the endpoint')} failed, more than "
+        f"--max-failed-fraction={max_failed_fraction}; the report ({out}) is no measurement of the model. First "
+        "errors:\n"
+        + "\n".join(errors)
+        + "\nCheck that the server is up, that --model names one of its models "
+        "(GET /v1/models) and the API key (--api-key or VLLM_API_KEY)"
+    )

@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from visionrl.errors import InputError
+from visionrl.errors import InputError, storage_errors
 from visionrl.files import atomic_write
 
 MARKDOWN_SAMPLES = 10  # samples shown in the Markdown twin (all of them are in the JSON)
@@ -121,5 +121,9 @@ def write_report(report: dict[str, Any], out: str | Path) -> None:
             f"report path '{path}' ends in .md, which is the Markdown twin's name; use e.g. .json"
         )
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, json.dumps(report, indent=2, ensure_ascii=False, default=str) + "\n")
-    atomic_write(path.with_suffix(".md"), render_markdown(report))
+    for target, text in (
+        (path, json.dumps(report, indent=2, ensure_ascii=False, default=str) + "\n"),
+        (path.with_suffix(".md"), render_markdown(report)),
+    ):
+        with storage_errors(target, len(text.encode()), kept=f"{target} was left as it was."):
+            atomic_write(target, text)

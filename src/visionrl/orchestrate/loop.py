@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -15,19 +14,23 @@ from typing import Any
 import ray
 import torch
 
+from visionrl import history as history_file
 from visionrl import metrics as tags
 from visionrl.algo import group_advantages, group_stats, groups_with_signal, overlong_penalty
 from visionrl.config import JobConfig, dump_config
-from visionrl.errors import Preempted, RunError
+from visionrl.errors import Preempted, RunError, storage_errors
+from visionrl.files import atomic_write
 from visionrl.metrics import MetricsWriter, Progress
 from visionrl.orchestrate import preemption
 from visionrl.orchestrate.actors import ray_session, start_actors
 from visionrl.orchestrate.failures import run_error, run_log, stopped
+from visionrl.orchestrate.health import RunHealth
 from visionrl.orchestrate.preemption import stop_on_signals
-from visionrl.orchestrate.remote import ActorProblem
+from visionrl.orchestrate.remote import ActorProblem, first_line
 from visionrl.orchestrate.resume import ResumeMode, checkpoint_to_resume
 from visionrl.orchestrate.workers import PromptStream, Workers, merge_results, rollout_samples
 from visionrl.rewards import RewardResult
+from visionrl.rollout.scratch import remove_orphaned_scratch
 from visionrl.run_layout import RunDir
 from visionrl.train.batching import Sequence
 from visionrl.train.learner import TrainBatch
@@ -55,7 +58,9 @@ def train(cfg: JobConfig, resume: ResumeMode | None = None) -> TrainResult:
     prompts_in = PromptStream(cfg)  # data and processor first: bad paths fail in seconds, before Ray
     run.root.mkdir(parents=True, exist_ok=True)
     cfg = cfg.model_copy(update={"resume": mode})
-    run.config.write_text(dump_config(cfg))  # what this run uses (overrides included)
+    text = dump_config(cfg)  # what this run uses (overrides included)
+    with storage_errors(run.config, len(text.encode())):  # a full disk: a clear error before anything starts
+        atomic_write(run.config, text)
     if ckpt is None:
         run.history.unlink(missing_ok=True)
     with run_log(run):
@@ -67,6 +72,8 @@ def train(cfg: JobConfig, resume: ResumeMode | None = None) -> TrainResult:
             raise run_error(problem, run.root) from problem
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as err:
             raise run_error(err, run.root) from err
+        finally:
+            remove_orphaned_scratch()  # engines killed with the run could not remove their adapter copies
 
 
 def _train(cfg: JobConfig, run: RunDir, ckpt: Path | None, prompts_in: PromptStream) -> TrainResult:
@@ -80,7 +87,9 @@ def _train(cfg: JobConfig, run: RunDir, ckpt: Path | None, prompts_in: PromptStr
             raise stopped(early_stop, run.root, None) from None
         watch = MismatchWatch(cfg.rollout.max_logprob_diff, cfg.rollout.max_logprob_diff_steps)
         start = saved = workers.resume(ckpt, prompts_in) if ckpt else 0
-        _trim_history(run.history, start)  # steps after the checkpoint will be run again
+        history_file.trim(run.history, start)  # steps after the checkpoint will be run again
+        tb.purge_from(start + 1)  # ... and shown once in TensorBoard (a fresh run: none of an earlier one)
+        health = RunHealth(cfg.train.max_consecutive_skips)
         progress, acc, above = Progress(cfg.train.steps, start_step=start), None, 0
         history: list[dict[str, Any]] = []
         for step in range(start + 1, cfg.train.steps + 1):
@@ -115,8 +124,10 @@ def _train(cfg: JobConfig, run: RunDir, ckpt: Path | None, prompts_in: PromptStr
                 tags.ACTOR_RESTARTS: float(workers.restarts),
                 **clock.metrics(),
             }
+            health.after_step(step, stats, scores)  # stops a run that trains on nothing
+            eval_failed = None
             if step % cfg.logging.eval_every == 0 or step == cfg.train.steps:  # 7. log, maybe evaluate ...
-                acc = _evaluate(workers, prompts_in)  # None: no eval data, or skipped by a stop request
+                acc, eval_failed = _evaluate(workers, prompts_in, step)  # acc None: no eval data, or stopped
                 m[tags.EVAL_ACCURACY] = acc
                 above = above + 1 if acc is not None and acc >= (cfg.train.target_accuracy or 2.0) else 0
             _log(tb, run, step, m, rewards, completions, prompts, scores, cfg)
@@ -124,31 +135,36 @@ def _train(cfg: JobConfig, run: RunDir, ckpt: Path | None, prompts_in: PromptStr
             progress.update(step, reward=m[tags.REWARD_MEAN], acc=acc)
             stop = above >= 2  # two consecutive evals at the target (evals swing, docs/ENGINE_NOTES.md)
             signum = preemption.requested()
-            if step % cfg.logging.save_every == 0 or step == cfg.train.steps or stop or signum:
-                workers.checkpoint(run.root, step, prompts_in)  # ... maybe checkpoint
+            if step % cfg.logging.save_every == 0 or step == cfg.train.steps or stop or signum or eval_failed:
+                workers.checkpoint(run.root, step, prompts_in)  # ... maybe checkpoint (also if eval failed)
                 saved = step
             if signum:
                 raise stopped(Preempted(signum), run.root, step)
+            if eval_failed:
+                raise eval_failed
             if stop:
                 break
         progress.close()
+        health.finish()  # no final adapter from a run that never applied an update
         adapter_dir = workers.export_final(run.root, acc)  # end: the adapter, with its manifest
         workers.close()
     return TrainResult(run.root, adapter_dir, history[-1]["step"] if history else start, acc, history)
 
 
-def _evaluate(workers: Workers, prompts_in: PromptStream) -> float | None:
-    """Held-out accuracy; a stop request during it skips it (the step is checkpointed without it)."""
+def _evaluate(workers: Workers, prompts_in: PromptStream, step: int) -> tuple[float | None, RunError | None]:
+    """Held-out accuracy, or (None, the error to raise once the step is checkpointed) when evaluation failed: a
+    failed evaluation must not cost the step's update, or a resumed run could never get past this step. A stop
+    request during it skips it (the step is checkpointed without it)."""
     try:
-        return workers.evaluate(prompts_in.eval_prompts())
+        return workers.evaluate(prompts_in.eval_prompts()), None
     except Preempted:
-        return None
-
-
-def _trim_history(path: Path, last_step: int) -> None:
-    if path.exists():
-        keep = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= last_step]
-        path.write_text("".join(line + "\n" for line in keep))
+        return None, None
+    except (ray.exceptions.RayError, RunError) as err:
+        cause = getattr(err, "cause", None) or err
+        return None, RunError(
+            f"the evaluation at step {step} failed: {type(cause).__name__}: {first_line(cause)}\nstep {step} "
+            "was checkpointed first; fix the cause and continue with `visionrl train CONFIG --resume`"
+        )
 
 
 class MismatchWatch:
@@ -371,6 +387,7 @@ def _step_metrics(
             m[k] = float(v)
     m.setdefault(tags.LOSS_POLICY, 0.0)
     m.setdefault(tags.LOSS_KL, 0.0)
+    m.setdefault(tags.SKIPPED_UPDATES, 0.0)
     return m
 
 
@@ -386,8 +403,7 @@ def _log(
     cfg: JobConfig,
 ) -> None:
     m[tags.THROUGHPUT] = m[tags.RESPONSE_TOKENS] / max(m[tags.TIMING_STEP], 1e-9)
-    with open(run.history, "a") as f:  # appended every step: a killed run keeps its history
-        f.write(json.dumps({"step": step, **m}) + "\n")
+    history_file.append(run.history, {"step": step, **m})  # every step: a killed run keeps its history
     if step % cfg.logging.log_every == 0:
         tb.scalars(step, m)
         tb.histogram(step, tags.REWARD_HIST, rewards)

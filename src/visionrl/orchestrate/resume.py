@@ -33,7 +33,7 @@ REFUSED = (
     "lora.train_merger",
     "lora.train_lm_head",
 )
-# The learner applies these after loading the optimizer state (Learner._apply_optimizer_settings).
+# The learner applies these after loading the optimizer state (train.learner_state.apply_optimizer_settings).
 APPLIED = ("train.lr", "train.merger_lr", "train.lm_head_lr", "train.betas", "train.weight_decay")
 IGNORED = ("resume",)  # how the run was started, not how it trains
 

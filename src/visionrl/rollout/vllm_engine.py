@@ -17,14 +17,13 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import tempfile
-from pathlib import Path
 from typing import Any
 
 from visionrl import faults
 from visionrl.data.images import ImageBudget
 from visionrl.rollout.probe import largest_first_token_change
 from visionrl.rollout.rejects import generate_skipping
+from visionrl.rollout.scratch import make_scratch_dir, remove_orphaned_scratch
 from visionrl.rollout.vllm_platform import cpu_only, set_cpu_env, vllm_max_lora_rank
 from visionrl.types import AdapterPayload, Completion, PromptItem, SamplingSpec
 
@@ -104,8 +103,8 @@ class VLLMEngine:
         _quiet_vllm()
         self.forbidden = list(forbidden_token_ids)
         # Adapter versions go through memory-backed files where the OS has them: vLLM loads LoRA from a path.
-        shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-        self._dir = Path(tempfile.mkdtemp(prefix="visionrl-vllm-adapters-", dir=shm))
+        remove_orphaned_scratch()
+        self._dir = make_scratch_dir()
         self._version = 0
         self._next_id = 0  # LoRA ids handed out so far: each adapter version and probe gets a new one
         self._lora: Any = None  # LoRARequest of the version served

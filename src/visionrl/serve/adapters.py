@@ -25,7 +25,7 @@ from visionrl.adapter.manifest import read_local_budget
 from visionrl.adapter.servable import check_servable
 from visionrl.data.images import ImageBudget
 from visionrl.errors import InputError
-from visionrl.serve.process import http_json, root_url
+from visionrl.serve.process import api_key_from_env, http_json, root_url
 
 
 @dataclass(frozen=True)
@@ -73,15 +73,18 @@ def served_adapter(name: str, path: str | os.PathLike[str]) -> ServedAdapter:
     return ServedAdapter(name, folder, check["max_lora_rank"], check["tower_connector_lora"], budget)
 
 
-def list_models(url: str, timeout_s: float = 10.0) -> list[str]:
-    """The model ids a server offers (the base model and every loaded adapter): GET /v1/models."""
-    body = http_json("GET", f"{root_url(url)}/v1/models", timeout_s=timeout_s)
+def list_models(url: str, timeout_s: float = 10.0, *, api_key: str | None = None) -> list[str]:
+    """The model ids a server offers (the base model and every loaded adapter): GET /v1/models. `api_key`:
+    the server's key (default $VLLM_API_KEY), as for every call below."""
+    body = http_json(
+        "GET", f"{root_url(url)}/v1/models", timeout_s=timeout_s, api_key=api_key_from_env(api_key)
+    )
     return [str(m["id"]) for m in json.loads(body).get("data", [])]
 
 
 def load_adapter(
     url: str, name: str, src: str | os.PathLike[str], *, cache_dir: str | os.PathLike[str] | None = None,
-    timeout_s: float = 120.0,
+    timeout_s: float = 120.0, api_key: str | None = None,
 ) -> Path:  # fmt: skip
     """Fetch and verify the export at `src`, then have the server at `url` load it as `name`; returns the
     local copy. The server reads that path from its own disk: call this on the server's machine.
@@ -101,10 +104,12 @@ def load_adapter(
     """
     path = served_adapter(name, fetch_adapter(src, cache_dir)).path
     payload = {"lora_name": name, "lora_path": str(path.resolve())}
-    http_json("POST", f"{root_url(url)}/v1/load_lora_adapter", payload, timeout_s=timeout_s)
+    http_json("POST", f"{root_url(url)}/v1/load_lora_adapter", payload, timeout_s=timeout_s,
+              api_key=api_key_from_env(api_key))  # fmt: skip
     return path
 
 
-def unload_adapter(url: str, name: str, *, timeout_s: float = 60.0) -> None:
+def unload_adapter(url: str, name: str, *, timeout_s: float = 60.0, api_key: str | None = None) -> None:
     """Have the server at `url` stop offering adapter `name` (POST /v1/unload_lora_adapter)."""
-    http_json("POST", f"{root_url(url)}/v1/unload_lora_adapter", {"lora_name": name}, timeout_s=timeout_s)
+    http_json("POST", f"{root_url(url)}/v1/unload_lora_adapter", {"lora_name": name}, timeout_s=timeout_s,
+              api_key=api_key_from_env(api_key))  # fmt: skip

@@ -27,6 +27,14 @@ from visionrl.errors import RunError
 
 PROGRESS_EVERY_S = 10.0
 TAIL_LINES = 200
+API_KEY_ENV = (
+    "VLLM_API_KEY"  # vLLM's own: with it set, every path under /v1 needs `Authorization: Bearer KEY`
+)
+
+
+def api_key_from_env(api_key: str | None = None) -> str | None:
+    """`api_key`, else $VLLM_API_KEY, else None (no key)."""
+    return api_key or os.environ.get(API_KEY_ENV) or None
 
 
 class ServerError(RunError):
@@ -64,12 +72,17 @@ def _error_message(body: bytes) -> str:
     return text[:500]
 
 
-def http_json(method: str, url: str, payload: Any = None, *, timeout_s: float = 30.0) -> bytes:
-    """Send `payload` as JSON (if any) and return the response body; any failure raises ServerError."""
+def http_json(
+    method: str, url: str, payload: Any = None, *, timeout_s: float = 30.0, api_key: str | None = None
+) -> bytes:
+    """Send `payload` as JSON (if any), with `api_key` as a bearer token (if any), and return the response body;
+    any failure raises ServerError."""
     data = None if payload is None else json.dumps(payload).encode()
     request = urllib.request.Request(url, data=data, method=method)
     if data is not None:
         request.add_header("Content-Type", "application/json")
+    if api_key:
+        request.add_header("Authorization", f"Bearer {api_key}")
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             return bytes(response.read())
@@ -95,6 +108,7 @@ class ServerHandle:
         echo: TextIO | None = None,
         adapters: Sequence[str] = (),
         ready_path: str = "/v1/models",
+        api_key: str | None = None,
     ) -> None:
         self.command = list(command)
         self.url = root_url(url)
@@ -103,6 +117,7 @@ class ServerHandle:
         self.echo = echo
         self.adapters = list(adapters)  # adapter names the server was started with
         self.ready_path = ready_path  # answers 200 once the server serves (vLLM: after the model loaded)
+        self.api_key = api_key  # the bearer token the server requires (None: none)
         self._proc: subprocess.Popen[bytes] | None = None
         self._tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self._reader: threading.Thread | None = None
@@ -173,7 +188,7 @@ class ServerHandle:
                     f"{self.log_tail()}"
                 )
             try:
-                http_json("GET", f"{self.url}{self.ready_path}", timeout_s=5.0)
+                http_json("GET", f"{self.url}{self.ready_path}", timeout_s=5.0, api_key=self.api_key)
             except ServerError:
                 pass  # not listening yet, or still loading the model
             else:

@@ -11,6 +11,7 @@ Adapters of a running server (load, unload, list) are `visionrl.serve.adapters`'
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import signal
@@ -25,7 +26,7 @@ from visionrl.data.images import ImageBudget
 from visionrl.errors import InputError
 from visionrl.rollout.vllm_platform import cpu_env, cpu_only, fill_env, vllm_max_lora_rank
 from visionrl.serve.adapters import ServedAdapter, list_models, served_adapter
-from visionrl.serve.process import ServerError, ServerHandle, free_port
+from visionrl.serve.process import API_KEY_ENV, ServerError, ServerHandle, api_key_from_env, free_port
 
 CPU_MAX_MODEL_LEN = (
     4096  # the engine's KV cache on CPU is small (VLLM_CPU_KVCACHE_SPACE); keep prompts modest
@@ -134,8 +135,16 @@ def prepare_server(
     tower_connector_lora: bool = False,
     log_path: str | os.PathLike[str] | None = None,
     echo: TextIO | None = None,
+    api_key: str | None = None,
+    allow_insecure: bool = False,
 ) -> ServerHandle:
-    """Fetch and check every adapter, then build (not start) the server. `port=None` picks a free port."""
+    """Fetch and check every adapter, then build (not start) the server. `port=None` picks a free port.
+
+    `api_key` (default $VLLM_API_KEY) protects every endpoint under /v1 (completions, models, run-time
+    adapter load/unload); it reaches vLLM through its environment, not its command line, which any local user
+    can read. Binding a non-loopback `host` without a key is refused unless `allow_insecure`."""
+    key = api_key_from_env(api_key)
+    check_exposure(host, key, allow_insecure)
     served = [
         served_adapter(name, fetch_adapter(src, cache_dir)) for name, src in _named_sources(adapters).items()
     ]
@@ -143,8 +152,34 @@ def prepare_server(
     port = free_port(host) if port is None else port
     cmd = server_command(base, served, host=host, port=port, cpu=cpu, extra=extra, max_lora_rank=max_lora_rank,
                          max_loras=max_loras, tower_connector_lora=tower_connector_lora)  # fmt: skip
-    return ServerHandle(cmd, url=f"http://{host}:{port}", env=server_env(base, cpu=cpu), log_path=log_path,
-                        echo=echo, adapters=[a.name for a in served])  # fmt: skip
+    env = server_env(base, cpu=cpu)
+    if key:
+        env[API_KEY_ENV] = key
+    return ServerHandle(cmd, url=f"http://{host}:{port}", env=env, log_path=log_path, echo=echo,
+                        adapters=[a.name for a in served], api_key=key)  # fmt: skip
+
+
+def is_loopback(host: str) -> bool:
+    """True for 127.0.0.0/8, ::1 and localhost: only this machine can connect."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to any interface
+        return False
+
+
+def check_exposure(host: str, api_key: str | None, allow_insecure: bool) -> None:
+    """Refuse to serve on a network interface without an API key: anyone who reaches it could run the model
+    and load or unload adapters."""
+    if api_key or allow_insecure or is_loopback(host):
+        return
+    raise InputError(
+        f"--host {host} makes the server reachable from the network, and without an API key anyone who reaches "
+        "it can use the model and load or unload adapters; set an API key (--api-key KEY or the environment "
+        f"variable {API_KEY_ENV}; clients send it as `Authorization: Bearer KEY`), bind --host 127.0.0.1, or pass "
+        "--allow-insecure if the network is closed"
+    )
 
 
 @contextmanager
@@ -210,7 +245,7 @@ def run_server(
             f"vLLM server ready after {seconds:.0f} s at {handle.url} (OpenAI base URL {handle.base_url})",
             file=out,
         )
-        print(f"models: {', '.join(list_models(handle.url))}", file=out)
+        print(f"models: {', '.join(list_models(handle.url, api_key=handle.api_key))}", file=out)
         print("Ctrl-C stops it.", file=out, flush=True)
         if on_ready is not None:
             on_ready(handle)
@@ -235,10 +270,11 @@ def serve(
     *,
     cache_dir: str | os.PathLike[str] | None = None,
     ready_timeout_s: float = READY_TIMEOUT_S,
+    api_key: str | None = None,
+    allow_insecure: bool = False,
 ) -> int:
     """`visionrl serve`: fetch and verify the adapters (["NAME=SRC", ...]), run vLLM's OpenAI server in the
     foreground with its log on stderr, print the URL and the model names; returns the exit code."""
-    handle = prepare_server(
-        base, adapters, host=host, port=port, extra=extra, cache_dir=cache_dir, echo=sys.stderr
-    )
+    handle = prepare_server(base, adapters, host=host, port=port, extra=extra, cache_dir=cache_dir, echo=sys.stderr,
+                            api_key=api_key, allow_insecure=allow_insecure)  # fmt: skip
     return run_server(handle, ready_timeout_s=ready_timeout_s)

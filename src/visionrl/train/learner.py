@@ -13,10 +13,7 @@ train/inference mismatch compare like with like.
 from __future__ import annotations
 
 import contextlib
-import io
-import json
 import math
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,10 +21,12 @@ from typing import Any
 
 import torch
 
+from visionrl import faults
 from visionrl import metrics as tags
 from visionrl.algo import aggregate, kl_penalty, masked_mean, policy_loss, rollout_correction
 from visionrl.config import JobConfig
 from visionrl.data.images import ImageBudget
+from visionrl.errors import NonFiniteError
 from visionrl.models.loader import (
     apply_lora,
     load_base_model,
@@ -35,6 +34,7 @@ from visionrl.models.loader import (
     lora_param_groups,
     vision_token_ids,
 )
+from visionrl.train import learner_state
 from visionrl.train.batching import (
     NO_GRAD_BATCH_TOKENS,
     EncodedPrompt,
@@ -47,9 +47,6 @@ from visionrl.train.forward import SharedImages, completion_stats
 from visionrl.train.ranks import (
     RankGroup,
     clip_grads,
-    full_optimizer_state,
-    full_tensor,
-    load_sharded_state,
     shard_model,
 )
 from visionrl.types import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterPayload, PromptItem
@@ -241,7 +238,7 @@ class Learner:
         if algo.kl_coef > 0:
             ref = self._precompute(encoded, seqs, [r for rows in shards for r in rows], adapter=False)
         t3 = time.perf_counter()
-        totals: dict[str, float] = {}
+        totals: dict[str, float] = {tags.SKIPPED_UPDATES: 0.0}
         first_diff, first_tokens = 0.0, 0.0
         for u, rows in enumerate(minis):
             metrics = self._update(encoded, seqs, rows, shards[u], old if u > 0 else None, ref)
@@ -249,7 +246,10 @@ class Learner:
                 first_diff, first_tokens = metrics[tags.LOGPROB_DIFF], metrics[tags.LEARNER_TOKENS]
             for k, v in metrics.items():
                 totals[k] = totals.get(k, 0.0) + v / n_updates
-        self.version += 1
+        totals[tags.SKIPPED_UPDATES] *= n_updates  # a count, not a mean
+        totals["updates"] = float(n_updates)
+        if totals[tags.SKIPPED_UPDATES] < n_updates:  # the adapter changed: a new version for the engines
+            self.version += 1
         totals[tags.LOGPROB_DIFF] = _engine_mismatch(seqs, later, old, first_diff, first_tokens, self.ranks)
         totals[tags.LEARNER_TOKENS] *= n_updates  # a sum over the mini-batches, not a mean
         totals[tags.LEARNER_SEQUENCE_TOKENS] *= n_updates
@@ -388,6 +388,8 @@ class Learner:
             if not mb.rows:  # a filler contributes nothing but its share of FSDP's collectives
                 (total * 0.0).backward()
                 continue
+            if faults.active("nonfinite_loss"):
+                total = total * float("nan")  # what a diverged step produces: NaN loss, NaN gradients
             total.backward()
             w = mb.num_tokens / max(num_tokens, 1.0)  # token-weighted averages of per-micro-batch metrics
             with torch.no_grad():
@@ -415,9 +417,29 @@ class Learner:
         out[tags.LEARNER_TOKENS] = num_tokens
         out[tags.LEARNER_SEQUENCE_TOKENS] = float(sum(len(encoded[seqs[r].prompt].input_ids) for r in rows))
         out[tags.LEARNER_SEQUENCE_TOKENS] += num_tokens
-        self.optimizer.step()
-        self.scheduler.step()
+        out[tags.SKIPPED_UPDATES] = 0.0 if self._apply(out[tags.LOSS_TOTAL], out[tags.GRAD_NORM]) else 1.0
         return out
+
+    def _apply(self, loss: float, grad_norm: float) -> bool:
+        """Take the optimizer step unless the loss or the gradient norm is NaN or infinite. A non-finite step
+        is never applied (AdamW would turn every weight it touches into NaN, for good): with
+        `train.on_nonfinite: skip` the gradients are dropped and False returned, with `stop` it raises."""
+        if math.isfinite(loss) and math.isfinite(grad_norm):
+            self.optimizer.step()
+            self.scheduler.step()
+            return True
+        self.optimizer.zero_grad(set_to_none=True)
+        what = (
+            f"a learner update had a non-finite loss ({loss}) or gradient norm ({grad_norm}) and was not "
+            "applied; the adapter is the one of the last finite update"
+        )
+        if self.cfg.train.on_nonfinite == "stop":
+            raise NonFiniteError(
+                f"{what}. train.on_nonfinite=stop ends the run here. Likely causes: a learning rate too high "
+                "for this model (train.lr), rewards or advantages out of range, or float16 overflow "
+                "(model.dtype=bfloat16); on_nonfinite=skip skips such updates instead"
+            )
+        return False
 
     # ------------------------------------------------------------------ adapter out
     def save_adapter(self, path: str | Path) -> Path:
@@ -429,27 +451,12 @@ class Learner:
 
     def adapter_payload(self, for_engine: bool = True) -> AdapterPayload:
         """The current adapter as file bytes: for engines (possibly on other nodes), or in full precision
-        (`for_engine=False`) for checkpoints. Built in memory, no disk: the per-step sync is on the hot path."""
-        from peft import get_peft_model_state_dict
-        from safetensors.torch import save
-
+        (`for_engine=False`) for checkpoints. Built in memory, no disk: the per-step sync is on the hot path.
+        With FSDP every rank must call it (the whole weights are gathered); rank 0's is sent."""
         if self._adapter_config is None:  # the config never changes during a run: written once
-            with tempfile.TemporaryDirectory(prefix="visionrl-adapter-") as tmp:
-                self.model.peft_config["default"].save_pretrained(tmp)
-                config = json.loads((Path(tmp) / ADAPTER_CONFIG).read_text())
-            config["inference_mode"] = True  # as peft's own save_pretrained writes it
-            self._adapter_config = json.dumps(config, indent=2, sort_keys=True).encode()
-        # peft keeps LoRA weights in float32; engines compute in the model's dtype anyway, so the per-step sync
-        # sends them in that dtype: half the bytes (an 8B model's r64 adapter: 666 -> 333 MiB), cast on the
-        # device before the copy to the host. Checkpoints and the exported adapter keep float32.
-        dtype = self.model.dtype if for_engine else torch.float32
-        state = get_peft_model_state_dict(self.model, save_embedding_layers=False)
-        # With FSDP the whole tensors are gathered (a collective: every rank calls this; rank 0's is sent).
-        weights = {k: full_tensor(v.detach()).to(dtype).cpu().contiguous() for k, v in state.items()}
-        files = {
-            ADAPTER_CONFIG: self._adapter_config,
-            ADAPTER_WEIGHTS: save(weights, metadata={"format": "pt"}),
-        }
+            self._adapter_config = learner_state.adapter_config_bytes(self.model)
+        weights = learner_state.adapter_weights_bytes(self.model, for_engine)
+        files = {ADAPTER_CONFIG: self._adapter_config, ADAPTER_WEIGHTS: weights}
         return AdapterPayload(version=self.version, files=files)
 
     def probe_payload(self, std: float = 0.05) -> AdapterPayload:
@@ -468,43 +475,7 @@ class Learner:
 
     # ------------------------------------------------------------------ checkpoint state
     def state_dict(self) -> dict[str, Any]:
-        buf = io.BytesIO()
-        torch.save(
-            {
-                # with FSDP gathered whole (every rank calls this): resumable on any number of ranks
-                "optimizer": full_optimizer_state(self.model, self.optimizer)
-                if self.ranks.fsdp
-                else self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(),
-                "version": self.version,
-                "rng": torch.get_rng_state(),
-            },
-            buf,
-        )
-        return {"trainer_state": buf.getvalue()}
+        return {"trainer_state": learner_state.trainer_state_bytes(self)}
 
     def load_state(self, adapter_dir: str | Path, trainer_state: bytes) -> None:
-        from peft import set_peft_model_state_dict
-        from safetensors.torch import load_file
-
-        weights = load_file(str(Path(adapter_dir) / ADAPTER_WEIGHTS))
-        state = torch.load(io.BytesIO(trainer_state), weights_only=False)
-        if self.ranks.fsdp:
-            load_sharded_state(self.model, self.optimizer, weights, state["optimizer"])
-        else:
-            set_peft_model_state_dict(self.model, weights)
-            self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.version = int(state["version"])
-        torch.set_rng_state(state["rng"])
-        self._apply_optimizer_settings()
-
-    def _apply_optimizer_settings(self) -> None:
-        """After loading a checkpoint: this job's rates, betas and weight decay replace the saved ones (a resume
-        may change them on purpose; orchestrate.resume reports every change), the moments are kept."""
-        t = self.cfg.train
-        rates = {g["name"]: g["lr"] for g in lora_param_groups(self.model, t.lr, t.merger_lr, t.lm_head_lr)}
-        self.scheduler.base_lrs = [rates[g["name"]] for g in self.optimizer.param_groups]
-        factor = self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
-        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs, strict=True):
-            group.update(initial_lr=base, lr=base * factor, betas=t.betas, weight_decay=t.weight_decay)
+        learner_state.load_trainer_state(self, Path(adapter_dir), trainer_state)

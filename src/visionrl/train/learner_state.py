@@ -1,0 +1,87 @@
+"""The learner's state as bytes: the adapter files it sends to engines and checkpoints, and the trainer state
+(optimizer, schedule, version, RNG) a checkpoint keeps; and loading them back. With FSDP every rank calls these
+together (whole tensors are gathered from the shards, and scattered back on load)."""
+
+from __future__ import annotations
+
+import io
+import json
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from visionrl.models.loader import lora_param_groups
+from visionrl.train.ranks import full_optimizer_state, full_tensor, load_sharded_state
+from visionrl.types import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+
+if TYPE_CHECKING:
+    from visionrl.train.learner import Learner
+
+
+def adapter_config_bytes(model: Any) -> bytes:
+    """peft's adapter_config.json of `model`, as peft's own save_pretrained writes it."""
+    with tempfile.TemporaryDirectory(prefix="visionrl-adapter-") as tmp:
+        model.peft_config["default"].save_pretrained(tmp)
+        config = json.loads((Path(tmp) / ADAPTER_CONFIG).read_text())
+    config["inference_mode"] = True
+    return json.dumps(config, indent=2, sort_keys=True).encode()
+
+
+def adapter_weights_bytes(model: Any, for_engine: bool) -> bytes:
+    """The LoRA weights as a safetensors file. peft keeps them in float32; engines compute in the model's dtype
+    anyway, so the per-step sync sends that dtype: half the bytes (an 8B model's r64 adapter: 666 -> 333 MiB),
+    cast on the device before the copy to the host. Checkpoints and the exported adapter keep float32."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save
+
+    dtype = model.dtype if for_engine else torch.float32
+    state = get_peft_model_state_dict(model, save_embedding_layers=False)
+    weights = {k: full_tensor(v.detach()).to(dtype).cpu().contiguous() for k, v in state.items()}
+    return save(weights, metadata={"format": "pt"})
+
+
+def trainer_state_bytes(learner: Learner) -> bytes:
+    buf = io.BytesIO()
+    torch.save(
+        {
+            # with FSDP gathered whole: a checkpoint resumes on any number of ranks
+            "optimizer": full_optimizer_state(learner.model, learner.optimizer)
+            if learner.ranks.fsdp
+            else learner.optimizer.state_dict(),
+            "scheduler": learner.scheduler.state_dict(),
+            "version": learner.version,
+            "rng": torch.get_rng_state(),
+        },
+        buf,
+    )
+    return buf.getvalue()
+
+
+def load_trainer_state(learner: Learner, adapter_dir: Path, trainer_state: bytes) -> None:
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    weights = load_file(str(adapter_dir / ADAPTER_WEIGHTS))
+    state = torch.load(io.BytesIO(trainer_state), weights_only=False)
+    if learner.ranks.fsdp:
+        load_sharded_state(learner.model, learner.optimizer, weights, state["optimizer"])
+    else:
+        set_peft_model_state_dict(learner.model, weights)
+        learner.optimizer.load_state_dict(state["optimizer"])
+    learner.scheduler.load_state_dict(state["scheduler"])
+    learner.version = int(state["version"])
+    torch.set_rng_state(state["rng"])
+    apply_optimizer_settings(learner)
+
+
+def apply_optimizer_settings(learner: Learner) -> None:
+    """After loading a checkpoint: this job's rates, betas and weight decay replace the saved ones (a resume
+    may change them on purpose; orchestrate.resume reports every change), the moments are kept."""
+    t, optimizer, scheduler = learner.cfg.train, learner.optimizer, learner.scheduler
+    rates = {g["name"]: g["lr"] for g in lora_param_groups(learner.model, t.lr, t.merger_lr, t.lm_head_lr)}
+    scheduler.base_lrs = [rates[g["name"]] for g in optimizer.param_groups]
+    factor = scheduler.lr_lambdas[0](scheduler.last_epoch)
+    for group, base in zip(optimizer.param_groups, scheduler.base_lrs, strict=True):
+        group.update(initial_lr=base, lr=base * factor, betas=t.betas, weight_decay=t.weight_decay)

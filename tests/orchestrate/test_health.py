@@ -1,0 +1,61 @@
+"""Tests of visionrl.orchestrate.health: when a run is training on nothing, and what it says."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from visionrl.errors import RunError
+from visionrl.metrics import GRAD_NORM, LOSS_TOTAL, SKIPPED_UPDATES
+from visionrl.orchestrate.health import RunHealth, failed_rewards
+from visionrl.rewards import RewardResult
+
+
+def _scores(
+    n: int, errors: dict[str, int] | None = None, timeouts: dict[str, int] | None = None
+) -> RewardResult:
+    errors, timeouts = errors or {}, timeouts or {}
+    examples = {k: f"ValueError: bad {k}" for k in errors}
+    return RewardResult([0.0] * n, {"a": [0.0] * n}, errors, timeouts, examples)
+
+
+def _stats(tried: int, skipped: int) -> dict[str, float]:
+    return {"updates": tried, SKIPPED_UPDATES: skipped, LOSS_TOTAL: math.nan, GRAD_NORM: math.inf}
+
+
+def test_failed_rewards_are_those_that_failed_on_every_sample() -> None:
+    # 4 samples: 'a' raised on 2 and timed out on 2 (all 4 failed), 'b' raised on 3 of 4
+    assert failed_rewards(_scores(4, {"a": 2, "b": 3}, {"a": 2})) == ["a"]
+    assert failed_rewards(_scores(0)) == []
+
+
+def test_consecutive_unusable_steps_stop_at_the_limit_and_a_good_step_resets() -> None:
+    health = RunHealth(max_consecutive=2)
+    health.after_step(1, _stats(2, 2), _scores(4))  # 1 in a row
+    health.after_step(2, _stats(2, 1), _scores(4))  # one of two updates applied: usable, resets
+    health.after_step(3, {}, _scores(4, {"a": 4}))  # no update tried, reward 'a' failed on all: 1 in a row
+    with pytest.raises(RunError) as err:
+        health.after_step(4, _stats(1, 1), _scores(4))
+    text = str(err.value)
+    assert text.startswith("2 steps in a row without a usable update (train.max_consecutive_skips=2)")
+    assert "  - step 1: all 2 learner update(s) skipped: loss nan, gradient norm inf" in text
+    assert "  - step 3: reward 'a' failed on all 4 samples: ValueError: bad a" in text
+    assert "  - step 4: all 1 learner update(s) skipped" in text  # 3 errors so far: all shown (at most 3)
+    assert (health.updates_applied, health.updates_skipped) == (1, 4)
+
+
+def test_finish_refuses_a_run_that_never_applied_an_update_or_never_scored() -> None:
+    skipped = RunHealth(max_consecutive=5)
+    skipped.after_step(1, _stats(1, 1), _scores(2))
+    with pytest.raises(RunError, match=r"every learner update of the run \(1\) was skipped"):
+        skipped.finish()
+    no_signal = RunHealth(max_consecutive=5)
+    no_signal.after_step(1, _stats(1, 0), _scores(2, {"a": 2}))
+    no_signal.after_step(2, _stats(1, 0), _scores(2, {}, {"a": 2}))
+    with pytest.raises(RunError, match="a reward failed on every sample of all 2 steps"):
+        no_signal.finish()
+    healthy = RunHealth(max_consecutive=5)
+    healthy.after_step(1, _stats(1, 0), _scores(2, {"a": 1}))  # one error of two samples: fine
+    healthy.after_step(2, {}, _scores(2))  # dynamic sampling kept no group: nothing tried, nothing wrong
+    healthy.finish()

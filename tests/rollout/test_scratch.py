@@ -1,0 +1,26 @@
+"""Tests of visionrl.rollout.scratch: the engines' adapter copies of dead processes are removed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from visionrl.rollout.scratch import PREFIX, make_scratch_dir, remove_orphaned_scratch
+
+
+def test_only_folders_of_dead_processes_are_removed(tmp_path: Path) -> None:
+    mine = make_scratch_dir(tmp_path)
+    assert mine.name.startswith(f"{PREFIX}{os.getpid()}-")
+    child = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    dead_pid = int(child.stdout)  # that process has exited
+    dead = tmp_path / f"{PREFIX}{dead_pid}-abc"
+    (dead / "visionrl-v3-4").mkdir(parents=True)
+    (dead / "visionrl-v3-4" / "adapter_model.safetensors").write_bytes(b"x" * 1000)
+    other = tmp_path / "someone-elses-folder"
+    other.mkdir()
+    assert remove_orphaned_scratch(tmp_path) == [dead]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([mine.name, other.name])
