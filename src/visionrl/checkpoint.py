@@ -30,6 +30,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from visionrl.adapter.files import ExportError
 from visionrl.adapter.finite import describe, nonfinite_in_file, nonfinite_tensors
 from visionrl.errors import InputError, NonFiniteError, storage_error
 from visionrl.files import fsync_dir, sha256_bytes, sha256_file, write_synced
@@ -269,7 +270,10 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
                 "damaged after saving; resume from an earlier checkpoint (or delete this one)"
             )
     weights = path / ADAPTER_DIR / ADAPTER_WEIGHTS
-    bad = nonfinite_in_file(weights) if weights.is_file() else []
+    try:
+        bad = nonfinite_in_file(weights) if weights.is_file() else []
+    except ExportError as err:  # not a safetensors file at all: damaged like any other
+        raise CheckpointError(f"checkpoint {path}: {err}; resume from an earlier checkpoint") from None
     if bad:  # written by a run without the non-finite guard: never resumed from, never counted as kept
         raise CheckpointError(
             f"checkpoint {path} holds a non-finite adapter ({describe(bad)}); resume from an earlier checkpoint"

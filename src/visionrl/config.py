@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
-from visionrl.config_yaml import ConfigError, UniqueKeyLoader, apply_overrides
+from visionrl.config_algorithm import AlgorithmConfig
+from visionrl.config_yaml import ConfigError, Section, UniqueKeyLoader, apply_overrides
 from visionrl.data.images import DEFAULT_MAX_IMAGES, DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS
 from visionrl.rewards.registry import RewardConfigError, RewardSpec, resolve_reward
 
@@ -29,13 +30,7 @@ MERGER_PROJECTIONS = (
 )
 
 
-class _Section(BaseModel):
-    # allow_inf_nan=False: `.inf` and `.nan` are valid YAML floats, and `train.lr: .inf` would only show up as a
-    # non-finite loss after the run started; every float field refuses them at validation.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
-
-
-class ModelConfig(_Section):
+class ModelConfig(Section):
     path: str = Field(
         description="Base model: a Qwen3-VL or Qwen2.5-VL checkpoint directory (or hub id where hubs are reachable)."
     )
@@ -57,7 +52,7 @@ class ModelConfig(_Section):
     )
 
 
-class LoraConfig(_Section):
+class LoraConfig(Section):
     rank: int = Field(16, ge=1, le=512, description="LoRA rank r.")
     alpha: float = Field(32.0, gt=0, description="LoRA alpha; the update is scaled by alpha / rank.")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA input.")
@@ -77,7 +72,7 @@ class LoraConfig(_Section):
     )
 
 
-class RewardConfig(_Section):
+class RewardConfig(Section):
     name: str = Field(
         description="A built-in reward (exact_match, choice, numeric, format, iou) or 'pkg.module:function'."
     )
@@ -87,7 +82,7 @@ class RewardConfig(_Section):
     )
 
 
-class DataConfig(_Section):
+class DataConfig(Section):
     train: str = Field(
         description="Training data: JSONL or Parquet file (records with images, messages/prompt, answer)."
     )
@@ -133,82 +128,7 @@ class DataConfig(_Section):
         return self
 
 
-class AlgorithmConfig(_Section):
-    group_size: int = Field(
-        8, ge=2, description="Completions sampled per prompt (G); advantages are group-relative."
-    )
-    advantage_scale: Literal["std", "none"] = Field(
-        "std", description="'std': GRPO (r-mean)/std; 'none': Dr. GRPO r-mean."
-    )
-    clip_low: float = Field(0.2, ge=0.0, lt=1.0, description="PPO ratio clip below 1 (1 - clip_low).")
-    clip_high: float = Field(
-        0.2, ge=0.0, description="PPO ratio clip above 1 (1 + clip_high); DAPO clip-higher uses 0.28."
-    )
-    dual_clip: float | None = Field(
-        None, gt=1.0, description="Dual-clip constant c (>1) for negative advantages."
-    )
-    loss_aggregation: Literal[
-        "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"
-    ] = Field(
-        "token_mean",
-        description="How per-token losses become one number (Dr. GRPO: seq_mean_token_sum_norm).",
-    )
-    kl_coef: float = Field(
-        0.0, ge=0.0, description="Weight of the KL penalty to the base model (adapter disabled)."
-    )
-    kl_kind: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator per token.")
-    entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus weight (subtracted from the loss).")
-    dynamic_sampling: bool = Field(
-        False,
-        description="DAPO dynamic sampling: train only on groups whose rewards differ (the others carry no signal), "
-        "sampling more prompts (up to max_sampling_rounds batches) to fill the step.",
-    )
-    max_sampling_rounds: int = Field(
-        3, ge=1, description="With dynamic_sampling: batches of prompts sampled per step, at most."
-    )
-    updates_per_batch: int = Field(1, ge=1, description="Optimizer steps per rollout batch (mini-batches).")
-    loss: Literal["ppo", "gspo", "cispo", "sapo"] = Field(
-        "ppo",
-        description="Policy loss: ppo (token ratio, clipped), gspo (sequence ratio, clipped; use a small clip "
-        "range, e.g. clip_low 3e-4, clip_high 4e-4), cispo (clipped ratio as a coefficient; clipped tokens keep "
-        "their gradient), sapo (a soft sigmoid gate instead of the clip).",
-    )
-    tau_pos: float = Field(1.0, gt=0.0, description="sapo: gate temperature for positive advantages.")
-    tau_neg: float = Field(1.05, gt=0.0, description="sapo: gate temperature for negative advantages.")
-    rollout_correction: Literal["off", "token", "sequence"] = Field(
-        "token",
-        description="Importance weights for the engine/learner mismatch (learner old log-probs vs the engine's "
-        "sampling log-probs) on the policy loss: per token, per sequence, or off. On by default: truncated at "
-        "correction_threshold, it only down-weights tokens the engine over-sampled.",
-    )
-    correction_mode: Literal["truncate", "mask"] = Field(
-        "truncate",
-        description="truncate: weights capped at correction_threshold (truncated IS); mask: tokens whose weight "
-        "lies outside [correction_lower, correction_threshold] are left out of the loss.",
-    )
-    correction_threshold: float = Field(2.0, gt=1.0, description="Upper bound of the correction weights.")
-    correction_lower: float = Field(0.5, gt=0.0, lt=1.0, description="correction_mode mask: the lower bound.")
-    overlong_buffer: int | None = Field(
-        None,
-        ge=1,
-        description="DAPO overlong shaping: completions longer than max_new_tokens - buffer get a reward penalty "
-        "rising linearly to -overlong_factor at max_new_tokens (null: off).",
-    )
-    overlong_factor: float = Field(1.0, gt=0.0, description="The overlong penalty at max_new_tokens.")
-    mask_truncated: bool = Field(
-        False,
-        description="Leave completions cut at max_new_tokens out of the loss (they still count in their group's "
-        "advantages).",
-    )
-
-    @field_validator("rollout_correction", mode="before")
-    @classmethod
-    def auto_correction_off_from_yaml_false(cls, value: Any) -> Any:
-        # YAML 1.1 reads a bare `off` as false: `rollout_correction: off` means the option named "off".
-        return "off" if value is False else value
-
-
-class RolloutConfig(_Section):
+class RolloutConfig(Section):
     engine: Literal["vllm", "hf"] = Field(
         "vllm", description="Rollout engine: vLLM (default) or transformers generate."
     )
@@ -245,7 +165,7 @@ class RolloutConfig(_Section):
     )
 
 
-class TrainConfig(_Section):
+class TrainConfig(Section):
     steps: int = Field(100, ge=1, description="GRPO steps (one rollout batch each).")
     lr: float = Field(1e-5, gt=0.0, description="Peak learning rate of the LoRA weights.")
     merger_lr: float | None = Field(None, gt=0.0, description="Learning rate of merger LoRA (default: lr).")
@@ -306,7 +226,7 @@ class TrainConfig(_Section):
         return betas
 
 
-class LoggingConfig(_Section):
+class LoggingConfig(Section):
     log_every: int = Field(1, ge=1, description="Scalars every N steps.")
     eval_every: int = Field(10, ge=1, description="Held-out evaluation every N steps (and at the end).")
     save_every: int = Field(50, ge=1, description="Checkpoint every N steps (and at the end).")
@@ -315,7 +235,7 @@ class LoggingConfig(_Section):
     keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept on disk (oldest removed first).")
 
 
-class RayConfig(_Section):
+class RayConfig(Section):
     address: str | None = Field(
         None,
         description="Attach to this Ray cluster ('auto' or host:port); default: RAY_ADDRESS or an embedded local Ray.",
@@ -357,7 +277,7 @@ class RayConfig(_Section):
     )
 
 
-class JobConfig(_Section):
+class JobConfig(Section):
     """A whole GRPO job. See configs/*.yaml for commented examples."""
 
     output_dir: str = Field(description="Run directory: tensorboard/, checkpoints/, adapter/, eval/.")

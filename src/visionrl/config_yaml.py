@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import yaml
+from pydantic import BaseModel, ConfigDict
 
 from visionrl.errors import InputError
 
@@ -76,3 +77,11 @@ def _deep_copy(data: Any) -> Any:
     if isinstance(data, list):
         return [_deep_copy(v) for v in data]
     return data
+
+
+class Section(BaseModel):
+    """The base of every job-file section: unknown keys are errors, values are validated on assignment."""
+
+    # allow_inf_nan=False: `.inf` and `.nan` are valid YAML floats, and `train.lr: .inf` would only show up as a
+    # non-finite loss after the run started; every float field refuses them at validation.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)

@@ -7,6 +7,8 @@ import logging
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import save
 
 from visionrl.checkpoint import save_checkpoint
 from visionrl.config import JobConfig, config_from_dict
@@ -33,7 +35,7 @@ def _save(cfg: JobConfig, step: int) -> Path:
     return save_checkpoint(
         cfg.output_dir,
         step,
-        adapter_files={"adapter_model.safetensors": b"weights"},
+        adapter_files={"adapter_model.safetensors": save({"w": torch.zeros(2)})},
         trainer_state=b"state",
         sampler_state={"position": step},
         extra={"config": cfg.model_dump(mode="json")},

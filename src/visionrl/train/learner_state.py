@@ -8,7 +8,7 @@ import io
 import json
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -16,8 +16,8 @@ from visionrl.models.loader import lora_param_groups
 from visionrl.train.ranks import full_optimizer_state, full_tensor, load_sharded_state
 from visionrl.types import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
-if TYPE_CHECKING:
-    from visionrl.train.learner import Learner
+# `learner` below is a visionrl.train.learner.Learner (not imported: that module imports this one).
+Learner = Any
 
 
 def adapter_config_bytes(model: Any) -> bytes:

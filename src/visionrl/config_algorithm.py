@@ -1,0 +1,85 @@
+"""The `algorithm` section of the job file: the GRPO variant (advantages, clipping, loss, KL, rollout correction,
+shaping). Part of `visionrl.config`, which re-exports it; kept apart so that no config module grows too long."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from visionrl.config_yaml import Section
+
+
+class AlgorithmConfig(Section):
+    group_size: int = Field(
+        8, ge=2, description="Completions sampled per prompt (G); advantages are group-relative."
+    )
+    advantage_scale: Literal["std", "none"] = Field(
+        "std", description="'std': GRPO (r-mean)/std; 'none': Dr. GRPO r-mean."
+    )
+    clip_low: float = Field(0.2, ge=0.0, lt=1.0, description="PPO ratio clip below 1 (1 - clip_low).")
+    clip_high: float = Field(
+        0.2, ge=0.0, description="PPO ratio clip above 1 (1 + clip_high); DAPO clip-higher uses 0.28."
+    )
+    dual_clip: float | None = Field(
+        None, gt=1.0, description="Dual-clip constant c (>1) for negative advantages."
+    )
+    loss_aggregation: Literal[
+        "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"
+    ] = Field(
+        "token_mean",
+        description="How per-token losses become one number (Dr. GRPO: seq_mean_token_sum_norm).",
+    )
+    kl_coef: float = Field(
+        0.0, ge=0.0, description="Weight of the KL penalty to the base model (adapter disabled)."
+    )
+    kl_kind: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator per token.")
+    entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus weight (subtracted from the loss).")
+    dynamic_sampling: bool = Field(
+        False,
+        description="DAPO dynamic sampling: train only on groups whose rewards differ (the others carry no signal), "
+        "sampling more prompts (up to max_sampling_rounds batches) to fill the step.",
+    )
+    max_sampling_rounds: int = Field(
+        3, ge=1, description="With dynamic_sampling: batches of prompts sampled per step, at most."
+    )
+    updates_per_batch: int = Field(1, ge=1, description="Optimizer steps per rollout batch (mini-batches).")
+    loss: Literal["ppo", "gspo", "cispo", "sapo"] = Field(
+        "ppo",
+        description="Policy loss: ppo (token ratio, clipped), gspo (sequence ratio, clipped; use a small clip "
+        "range, e.g. clip_low 3e-4, clip_high 4e-4), cispo (clipped ratio as a coefficient; clipped tokens keep "
+        "their gradient), sapo (a soft sigmoid gate instead of the clip).",
+    )
+    tau_pos: float = Field(1.0, gt=0.0, description="sapo: gate temperature for positive advantages.")
+    tau_neg: float = Field(1.05, gt=0.0, description="sapo: gate temperature for negative advantages.")
+    rollout_correction: Literal["off", "token", "sequence"] = Field(
+        "token",
+        description="Importance weights for the engine/learner mismatch (learner old log-probs vs the engine's "
+        "sampling log-probs) on the policy loss: per token, per sequence, or off. On by default: truncated at "
+        "correction_threshold, it only down-weights tokens the engine over-sampled.",
+    )
+    correction_mode: Literal["truncate", "mask"] = Field(
+        "truncate",
+        description="truncate: weights capped at correction_threshold (truncated IS); mask: tokens whose weight "
+        "lies outside [correction_lower, correction_threshold] are left out of the loss.",
+    )
+    correction_threshold: float = Field(2.0, gt=1.0, description="Upper bound of the correction weights.")
+    correction_lower: float = Field(0.5, gt=0.0, lt=1.0, description="correction_mode mask: the lower bound.")
+    overlong_buffer: int | None = Field(
+        None,
+        ge=1,
+        description="DAPO overlong shaping: completions longer than max_new_tokens - buffer get a reward penalty "
+        "rising linearly to -overlong_factor at max_new_tokens (null: off).",
+    )
+    overlong_factor: float = Field(1.0, gt=0.0, description="The overlong penalty at max_new_tokens.")
+    mask_truncated: bool = Field(
+        False,
+        description="Leave completions cut at max_new_tokens out of the loss (they still count in their group's "
+        "advantages).",
+    )
+
+    @field_validator("rollout_correction", mode="before")
+    @classmethod
+    def auto_correction_off_from_yaml_false(cls, value: Any) -> Any:
+        # YAML 1.1 reads a bare `off` as false: `rollout_correction: off` means the option named "off".
+        return "off" if value is False else value
