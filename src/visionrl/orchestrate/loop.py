@@ -110,6 +110,7 @@ def _train(cfg: JobConfig, run: RunDir, resume: bool, prompts_in: PromptStream) 
                 **_step_metrics(rewards, completions, scores, stats, G, int(got.keep.sum())),
                 **shaping,
                 tags.SAMPLING_ROUNDS: float(got.rounds),
+                **prompts_in.data_metrics(),
                 **clock.metrics(),
             }
             if step % cfg.logging.eval_every == 0 or step == cfg.train.steps:  # 7. log, maybe evaluate ...
