@@ -174,12 +174,17 @@ def train_tokenizer(words: list[str], out_dir: Path) -> dict[str, int]:
 
 
 def build_tiny_model(
-    out_dir: str | Path, seed: int = 0, extra_words: list[str] | None = None, pretrain: bool = False
+    out_dir: str | Path,
+    seed: int = 0,
+    extra_words: list[str] | None = None,
+    pretrain: bool = False,
+    recipe: str = "color",
 ) -> Path:
     """Write a tiny Qwen3-VL checkpoint directory (config, safetensors, tokenizer, processor, template).
 
     `pretrain=True` adds the short supervised pre-training of `models/pretrain.py` (about half a minute),
-    giving a base that reads images and answers in format, as real bases do.
+    giving a base that reads images and answers in format, as real bases do; `recipe` names the task the
+    base is made for (`models.pretrain.RECIPES`: it knows that task's answer format, not its answers).
     """
     import torch
     from transformers import (
@@ -192,7 +197,12 @@ def build_tiny_model(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    vocab = train_tokenizer(task_vocabulary() + list(extra_words or []), out)
+    words = task_vocabulary() + list(extra_words or [])
+    if recipe == "easy-vqa":  # a third-party data set: its questions' words become tokens too
+        from visionrl.data.easy_vqa import vocabulary
+
+        words += vocabulary()
+    vocab = train_tokenizer(words, out)
     config = Qwen3VLConfig(**tiny_config_dict(len(vocab), vocab))
 
     torch.manual_seed(seed)
@@ -203,8 +213,10 @@ def build_tiny_model(
     if pretrain:
         from visionrl.models.pretrain import pretrain_tiny
 
-        report = pretrain_tiny(model, processor, seed=seed)
+        report = pretrain_tiny(model, processor, seed=seed, recipe=recipe)
         info.update(pretrain_steps=report.steps, pretrain_final_loss=round(report.final_loss, 4))
+        if recipe != "color":  # the demo base's file stays byte-identical
+            info["pretrain_recipe"] = recipe
     model.save_pretrained(out, safe_serialization=True)
     GenerationConfig(
         eos_token_id=vocab["<|im_end|>"],
