@@ -20,7 +20,9 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
-EASY_VQA_EVAL = 3000  # held-out questions drawn from easy-VQA's test split: +-1% on the accuracy, minutes to run
+EASY_VQA_EVAL = (
+    3000  # held-out questions drawn from easy-VQA's test split: +-1% on the accuracy, minutes to run
+)
 
 
 def _say(msg: str) -> None:

@@ -37,7 +37,9 @@ def test_whole_splits_match_the_package(tmp_path: Path) -> None:
 
 
 def test_subset_records_load_and_point_at_the_packaged_image(tmp_path: Path) -> None:
-    assert main(["make-data", str(tmp_path), "--task", "easy-vqa", "--num-train", "50", "--num-eval", "20"]) == 0
+    assert (
+        main(["make-data", str(tmp_path), "--task", "easy-vqa", "--num-train", "50", "--num-eval", "20"]) == 0
+    )
     lines = [json.loads(x) for x in (tmp_path / "train.jsonl").read_text().splitlines()]
     assert len(lines) == 50 and len((tmp_path / "eval.jsonl").read_text().splitlines()) == 20
     texts, answers, image_ids = easy_vqa.get_train_questions()
@@ -67,7 +69,9 @@ def test_format_examples_are_random_answers_of_the_right_type() -> None:
 
     examples = format_examples(random.Random(0), 400)
     texts, answers, _ = easy_vqa.get_train_questions()
-    truth = dict(zip(texts, answers, strict=True))  # a question text can repeat; its answer type cannot change
+    truth = dict(
+        zip(texts, answers, strict=True)
+    )  # a question text can repeat; its answer type cannot change
     assert all(question_type(a) == question_type(truth[q]) for q, _, a in examples)
     agree = sum(a == truth[q] for q, _, a in examples if question_type(a) == "yes/no")
     yes_no = sum(question_type(a) == "yes/no" for _, _, a in examples)

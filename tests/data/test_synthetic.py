@@ -222,7 +222,9 @@ def test_vocabulary_covers_every_question_and_answer(tmp_path: Path) -> None:
 
 
 def test_bad_arguments(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="unknown synthetic task 'shade'.*color, count, position, sides, same"):
+    with pytest.raises(
+        ValueError, match="unknown synthetic task 'shade'.*color, count, position, sides, same"
+    ):
         make_dataset(tmp_path, "shade", 1, 1, seed=0)
     with pytest.raises(ValueError, match="num_eval must be >= 0, got -1"):
         make_dataset(tmp_path, "color", 1, -1, seed=0)

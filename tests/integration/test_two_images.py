@@ -19,7 +19,9 @@ def same_color_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny base made for the task: reads colours, answers yes/no at chance (about 40 s)."""
     from visionrl.models.tiny import build_tiny_model
 
-    return build_tiny_model(tmp_path_factory.mktemp("pair") / "model", seed=0, pretrain=True, recipe="same_color")
+    return build_tiny_model(
+        tmp_path_factory.mktemp("pair") / "model", seed=0, pretrain=True, recipe="same_color"
+    )
 
 
 def test_grpo_learns_to_compare_two_images(same_color_base: Path, tmp_path: Path) -> None:
@@ -51,6 +53,8 @@ def test_grpo_learns_to_compare_two_images(same_color_base: Path, tmp_path: Path
     # 128 balanced yes/no questions: chance is 0.5 with a standard deviation of sqrt(0.25 / 128) = 0.044, so
     # 0.62 is 2.7 deviations above it; a model that compares the colours gets far more.
     assert 0.38 <= base["accuracy"] <= 0.62, f"the base should be at chance, got {base['accuracy']:.3f}"
-    assert final["accuracy"] >= 0.7, f"trained {result.steps} steps, held-out accuracy {final['accuracy']:.3f}"
+    assert final["accuracy"] >= 0.7, (
+        f"trained {result.steps} steps, held-out accuracy {final['accuracy']:.3f}"
+    )
     # Permuted images pair each question with the images of another: the colours no longer decide it.
     assert permuted["accuracy"] <= 0.62, f"with images permuted {permuted['accuracy']:.3f}: not reading them"

@@ -68,7 +68,8 @@ class ImageRef:
             return image.convert("RGB")  # convert() decodes every pixel: truncated files fail here
 
     def problem(self) -> str | None:
-        """Why this image cannot be used (missing, empty, undecodable), or None after a full decode."""
+        """Why this image cannot be used (missing, empty, undecodable), or None after a full decode (a header
+        check such as PIL's verify() passes truncated JPEGs: docs/ENGINE_NOTES.md)."""
         if self.path is not None and not os.path.isfile(self.path):
             return "file not found"
         if (self.data is not None and not self.data) or (
