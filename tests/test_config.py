@@ -47,7 +47,9 @@ def config_error(data: dict[str, Any], overrides: list[str] | None = None) -> st
 # --------------------------------------------------------------------------- shipped job files
 
 
-@pytest.mark.parametrize("name", ["demo.yaml", "qwen3vl_8b_grpo_lora.yaml"])
+@pytest.mark.parametrize(
+    "name", ["demo.yaml", "qwen3vl_8b_grpo_lora.yaml", "same_color.yaml", "easy_vqa.yaml"]
+)
 def test_shipped_job_files_validate_and_round_trip(name: str, tmp_path: Path) -> None:
     cfg = load_config(CONFIGS / name)
     # Every reward of the file can be built (names and kwargs are right, not just well-typed).
@@ -56,6 +58,15 @@ def test_shipped_job_files_validate_and_round_trip(name: str, tmp_path: Path) ->
     # The resolved YAML that `visionrl validate` prints is itself a valid job file with the same values.
     again = load_config(write_yaml(tmp_path, yaml.safe_load(dump_config(cfg))))
     assert again == cfg
+
+
+def test_data_layout_keys_default_to_our_field_names_and_must_name_a_field() -> None:
+    cfg = config_from_dict(MINIMAL)
+    assert (cfg.data.prompt_key, cfg.data.answer_key, cfg.data.image_key) == ("prompt", "answer", "images")
+    geo = config_from_dict(apply_overrides(MINIMAL, ["data.prompt_key=problem", "data.image_key=image"]))
+    assert (geo.data.prompt_key, geo.data.image_key) == ("problem", "image")
+    assert "data.image_key" in config_error(MINIMAL, ["data.image_key="])
+    assert "data.answer_keys: unknown key" in config_error(MINIMAL, ["data.answer_keys=label"])
 
 
 def test_demo_file_values_are_kept_as_written() -> None:

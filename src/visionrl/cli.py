@@ -44,17 +44,29 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 def _cmd_init_tiny_model(args: argparse.Namespace) -> int:
     from visionrl.models.tiny import build_tiny_model
 
-    out = build_tiny_model(args.dir, seed=args.seed, pretrain=not args.no_pretrain, arch=args.arch)
+    out = build_tiny_model(
+        args.dir, seed=args.seed, pretrain=not args.no_pretrain, arch=args.arch, recipe=args.recipe
+    )
     print(f"tiny {args.arch} model written to {out}")
     return 0
 
 
 def _cmd_make_data(args: argparse.Namespace) -> int:
-    from visionrl.data.synthetic import make_dataset
+    if args.task == "easy-vqa":
+        from visionrl.data.easy_vqa import write_easy_vqa
 
-    summary = make_dataset(
-        args.dir, args.task, args.num_train, args.num_eval, args.seed, image_size=args.image_size
-    )
+        summary = write_easy_vqa(args.dir, args.num_train, args.num_eval, args.seed)
+    else:
+        from visionrl.data.synthetic import make_dataset
+
+        summary = make_dataset(
+            args.dir,
+            args.task,
+            512 if args.num_train is None else args.num_train,
+            128 if args.num_eval is None else args.num_eval,
+            args.seed,
+            image_size=args.image_size,
+        )
     for split in ("train", "eval"):
         info = summary[split]
         print(f"{split}: {info['num_samples']} records -> {info['file']}  answers: {info['answer_counts']}")
@@ -359,12 +371,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--no-pretrain", action="store_true", help="random weights only (no short pre-training)")
+    sp.add_argument(
+        "--recipe",
+        default="color",
+        choices=["color", "same_color", "easy-vqa"],
+        help="the task the pre-trained base is made for: it answers that task in format, at chance "
+        "(easy-vqa also adds the data set's words to the tokenizer)",
+    )
 
-    sp = add("make-data", _cmd_make_data, "Write a synthetic visual task (JSONL + PNG images).")
+    sp = add("make-data", _cmd_make_data, "Write a visual task as JSONL + PNG images.")
     sp.add_argument("dir")
-    sp.add_argument("--task", required=True, help="color | count | position | sides")
-    sp.add_argument("--num-train", type=int, default=512)
-    sp.add_argument("--num-eval", type=int, default=128)
+    sp.add_argument(
+        "--task",
+        required=True,
+        help="synthetic: color | count | position | sides | same_color (two images); "
+        "easy-vqa: the easy-VQA data set (pip install easy-vqa)",
+    )
+    sp.add_argument(
+        "--num-train", type=int, default=None, help="train records (synthetic default 512; easy-vqa: all)"
+    )
+    sp.add_argument(
+        "--num-eval", type=int, default=None, help="eval records (synthetic default 128; easy-vqa: all)"
+    )
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--image-size", type=int, default=64)
     return p

@@ -89,7 +89,23 @@ class DataConfig(Section):
     eval: str | None = Field(None, description="Held-out data for periodic evaluation (greedy decoding).")
     on_bad_image: Literal["error", "skip"] = Field(
         "error",
-        description="A missing or corrupt image: stop with an error, or skip the record and count it.",
+        description="An image that is missing, empty or does not fully decode at load: stop with an error, or "
+        "skip the record and count it. An image that fails later, mid-run, is always skipped and counted.",
+    )
+    prompt_key: str = Field(
+        "prompt",
+        min_length=1,
+        description="Field holding the prompt text when a record has no 'messages' (EasyR1/Geometry3K: "
+        "'problem'); '<image>' markers in it place the images, else they go before the text.",
+    )
+    answer_key: str = Field(
+        "answer", min_length=1, description="Field holding the reference answer the rewards compare against."
+    )
+    image_key: str = Field(
+        "images",
+        min_length=1,
+        description="Field holding the images: a list (or one) of paths, base64 data URIs, bytes or "
+        "{bytes, path} structs (Hugging Face-style parquet with one image per row: 'image').",
     )
     max_eval_samples: int | None = Field(
         None, ge=1, description="Evaluate on at most this many held-out records."

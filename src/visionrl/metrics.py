@@ -81,6 +81,8 @@ ACTOR_RESTARTS = (
     "faults/actor_restarts"  # engines and reward workers restarted in this run (ray.max_actor_restarts)
 )
 SKIPPED_UPDATES = "faults/skipped_updates"  # learner updates not applied: non-finite loss or gradient
+DATA_SKIPPED_AT_LOAD = "data/skipped_at_load"  # training records dropped for a bad image when the data loaded
+DATA_SKIPPED_MIDRUN = "data/skipped_midrun"  # records whose image failed to decode during the run, so far
 REWARD_HIST = "reward/hist"
 LENGTH_HIST = "response/length_hist"
 SAMPLES_PREFIX = "samples/"

@@ -115,18 +115,31 @@ def test_synthetic_output_loads(tmp_path: Path) -> None:
         ),
         ("[1, 2]", "train.jsonl line 2: expected a JSON object {...}, got list"),
         (
-            _record(image="a.png", images="a.png"),
-            "train.jsonl line 2: field 'images' must be a list of image paths, got str; wrap a single path",
+            _record(images=[""]),
+            "train.jsonl line 2: field 'images' item 0: an image must be a path, a base64 data URI, bytes",
         ),
         (
             _record(images=[3]),
-            "train.jsonl line 2: field 'images' item 0 must be a non-empty path string, got 3",
+            "train.jsonl line 2: field 'images' item 0: an image must be a path, a base64 data URI, bytes or a "
+            "{bytes, path} struct, got 3",
+        ),
+        (
+            _record(images=[{"bytes": None, "path": None}]),
+            "train.jsonl line 2: field 'images' item 0: the image struct has neither 'bytes' nor 'path'",
+        ),
+        (
+            _record(images=["data:image/png,abc"]),
+            "train.jsonl line 2: field 'images' item 0: a data URI image must look like 'data:image/png;base64,",
+        ),
+        (
+            _record(images=["data:image/png;base64,!!"]),
+            "train.jsonl line 2: field 'images' item 0: the data URI's base64 payload does not decode",
         ),
         ({"prompt": "q", "answer": 1}, "train.jsonl line 2: field 'images' is missing"),
         (
             _record(images=["img/a.png", "img/a.png"]),
             "train.jsonl line 2: field 'messages' has 1 image placeholder(s) "
-            '({"type": "image"}) but \'images\' lists 2 path(s)',
+            '({"type": "image"}) but \'images\' lists 2 image(s)',
         ),
         (_record(prompt="q"), "train.jsonl line 2: has both 'messages' and 'prompt'"),
         ({"images": [], "answer": 1}, "train.jsonl line 2: field 'messages' is missing"),

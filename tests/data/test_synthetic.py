@@ -65,7 +65,7 @@ def _files(root: Path) -> dict[str, bytes]:
 
 
 def test_list_tasks_and_registry() -> None:
-    assert list_tasks() == ["color", "count", "position", "sides"]
+    assert list_tasks() == ["color", "count", "position", "sides", "same_color"]
     assert TASKS["sides"].answers == ("3", "4", "5", "6")
 
 
@@ -144,6 +144,34 @@ def test_color_is_the_mean_shape_colour(tmp_path: Path) -> None:
         assert nearest == record["answer"], record["id"]
 
 
+def _colour_name(root: Path, rel: str) -> str:
+    """The colour whose RGB is nearest the mean of the shape's pixels."""
+    pixels = np.asarray(Image.open(root / rel).convert("RGB")).astype(int)
+    mean = pixels[_shape_mask(pixels)].mean(axis=0)
+    return min(COLORS, key=lambda name: float(((mean - np.array(COLORS[name])) ** 2).sum()))
+
+
+def test_same_color_needs_both_images(tmp_path: Path) -> None:
+    summary = make_dataset(tmp_path, "same_color", num_train=40, num_eval=2, seed=13)
+    records = _records(tmp_path / "train.jsonl")
+    assert summary["train"]["answer_counts"] == {"yes": 20, "no": 20}  # balanced: chance is 0.5
+    assert records[3]["images"] == ["images/train/00003.png", "images/train/00003_1.png"]
+    assert records[3]["messages"][0]["content"] == [
+        {"type": "image"},
+        {"type": "image"},
+        {"type": "text", "text": "Are the two shapes one color?"},
+    ]
+    firsts = Counter()
+    for record in records:
+        first, second = (_colour_name(tmp_path, rel) for rel in record["images"])
+        assert record["answer"] == ("yes" if first == second else "no"), record["id"]
+        assert record["metadata"]["colors"] == [first, second]
+        firsts[(first, record["answer"])] += 1
+    # One image alone does not give the answer: each colour of the first image comes with both answers.
+    assert {a for (_, a) in firsts} == {"yes", "no"}
+    assert sum(1 for c in COLORS if firsts[(c, "yes")] and firsts[(c, "no")]) >= 3
+
+
 def test_count_is_the_number_of_blobs(tmp_path: Path) -> None:
     make_dataset(tmp_path, "count", num_train=40, num_eval=0, seed=12)
     for record in _records(tmp_path / "train.jsonl"):
@@ -189,12 +217,14 @@ def test_vocabulary_covers_every_question_and_answer(tmp_path: Path) -> None:
     for task in list_tasks():
         make_dataset(tmp_path / task, task, num_train=4, num_eval=0, seed=0)
         for record in _records(tmp_path / task / "train.jsonl"):
-            text = record["messages"][0]["content"][1]["text"]
+            text = record["messages"][0]["content"][-1]["text"]
             assert set(split_words(text)) | set(split_words(record["answer"])) <= vocab
 
 
 def test_bad_arguments(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="unknown synthetic task 'shade'.*color, count, position, sides"):
+    with pytest.raises(
+        ValueError, match="unknown synthetic task 'shade'.*color, count, position, sides, same"
+    ):
         make_dataset(tmp_path, "shade", 1, 1, seed=0)
     with pytest.raises(ValueError, match="num_eval must be >= 0, got -1"):
         make_dataset(tmp_path, "color", 1, -1, seed=0)

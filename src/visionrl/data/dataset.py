@@ -1,18 +1,16 @@
-"""Loading the user's prompt data (JSONL or Parquet records with image paths).
+"""Validating the user's prompt records (JSONL or Parquet, in any layout of `visionrl.data.layouts`).
 
-A record is one prompt: `images` (paths, relative to the data file or absolute), the chat `messages` that
-refer to them by `{"type": "image"}` placeholders (or a plain `prompt` string), and the reference `answer`
-the rewards compare against. Every record is validated when the file is loaded, so a bad line fails in
-seconds with its file, line and field instead of hours into a run. Images are checked at load time
-(existence, and optionally a cheap decode check) but only opened when a sample is accessed.
+A record is one prompt: its images (files, bytes or data URIs), the chat `messages` that refer to them by
+`{"type": "image"}` placeholders (or a plain prompt string, optionally with `<image>` markers), and the
+reference answer the rewards compare against. Every record is validated when the file is loaded, so a bad
+line fails in seconds with its file, line and field instead of hours into a run. Every image is fully
+decoded at load (a header check passes truncated files) and decoded again when a sample is accessed.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,31 +18,44 @@ from typing import Any, Literal
 
 from PIL import Image
 
-from visionrl.errors import InputError
+from visionrl.data.layouts import (
+    FORMATS,
+    IMAGE_ERRORS,
+    DataFileNotFound,
+    DatasetError,
+    ImageRef,
+    Layout,
+    image_refs,
+    iter_rows,
+    prompt_content,
+    slim_record,
+)
+from visionrl.data.layouts import type_name as _type_name
 
 logger = logging.getLogger(__name__)
 
-FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
 BadImagePolicy = Literal["error", "skip"]
-# What PIL raises for files it cannot identify or decode (UnidentifiedImageError is an OSError).
-IMAGE_ERRORS = (OSError, SyntaxError, ValueError, EOFError, struct.error, Image.DecompressionBombError)
-
-
-class DatasetError(InputError):
-    """A data file or record is malformed; the message names the file, line, field and the fix."""
-
-
-class DataFileNotFound(DatasetError, FileNotFoundError):
-    """The data file does not exist (both a user-input error and a FileNotFoundError)."""
+__all__ = [
+    "FORMATS",
+    "IMAGE_ERRORS",
+    "DataFileNotFound",
+    "DatasetError",
+    "Layout",
+    "Sample",
+    "VisionDataset",
+    "load_dataset",
+]
 
 
 @dataclass(frozen=True)
 class Sample:
     """One prompt, ready for encoding.
 
-    `images` are RGB PIL images opened when the sample was accessed. `messages` are normalised: every
+    `images` are RGB PIL images decoded when the sample was accessed. `messages` are normalised: every
     `content` is a list of parts, each `{"type": "image"}` or `{"type": "text", "text": str}`, with exactly
-    one image part per entry of `images`, in order. `record` is the raw record as read (unknown fields kept).
+    one image part per entry of `images`, in order. `record` is the record as read (unknown fields kept;
+    image bytes replaced by labels). `image_paths`: each image's resolved path, or its label if it came
+    as bytes.
     """
 
     id: str
@@ -59,12 +70,12 @@ class Sample:
 
 @dataclass(frozen=True)
 class _Entry:
-    """A validated record whose images have not been opened yet."""
+    """A validated record whose images have not been decoded yet."""
 
     id: str
     line: int
     where: str  # "<file> line N" (JSONL) or "<file> row N" (Parquet), for error messages
-    image_paths: list[str]
+    images: list[ImageRef]
     messages: list[dict[str, Any]]
     answer: Any
     metadata: dict[str, Any]
@@ -74,11 +85,19 @@ class _Entry:
 
 
 class VisionDataset:
-    """Validated records of one data file; images are opened on access (`dataset[i].images`)."""
+    """Validated records of one data file; images are decoded on access (`dataset[i].images`).
 
-    def __init__(self, path: str, entries: list[_Entry], skipped: list[tuple[int, str]]) -> None:
+    Indices count the usable records. Records skipped for a bad image at load stay known as rows (every
+    valid record of the file, in order), so that the prompt sampler's data position means the same records
+    when an image goes bad between a run and its resume.
+    """
+
+    def __init__(
+        self, path: str, rows: list[_Entry], usable: list[int], skipped: list[tuple[int, str]]
+    ) -> None:
         self.path = path
-        self._entries = entries
+        self._rows = rows
+        self._usable = usable  # row of each usable record
         # (line or row, reason) of each record dropped for a bad image under on_bad_image="skip".
         self.skipped = skipped
 
@@ -88,35 +107,54 @@ class VisionDataset:
 
     @property
     def records(self) -> list[dict[str, Any]]:
-        """The raw records that were kept, in file order."""
-        return [e.record for e in self._entries]
+        """The records that were kept, in file order."""
+        return [self._rows[r].record for r in self._usable]
 
     @property
     def ids(self) -> list[str]:
         """Record ids (given, or "<file stem>-<line>"), in file order."""
-        return [e.id for e in self._entries]
+        return [self._rows[r].id for r in self._usable]
+
+    @property
+    def row_records(self) -> list[dict[str, Any]]:
+        """The records of every row (usable or skipped), in file order."""
+        return [e.record for e in self._rows]
+
+    @property
+    def row_ids(self) -> list[str]:
+        """The ids of every row (usable or skipped), in file order."""
+        return [e.id for e in self._rows]
+
+    @property
+    def usable_rows(self) -> list[int]:
+        """The row of each usable record: `dataset[i]` is row `usable_rows[i]`."""
+        return list(self._usable)
 
     def messages(self, index: int) -> list[dict[str, Any]]:
         """The normalised chat messages of record `index` (as `Sample.messages`), without opening its images."""
-        return self._entries[index].messages
+        return self._rows[self._usable[index]].messages
 
     def image_sizes(self, index: int) -> list[tuple[int, int]]:
-        """(width, height) of each image of record `index`, as stored (read at load, nothing decoded)."""
-        return list(self._entries[index].image_sizes)
+        """(width, height) of each image of record `index`, as stored (read at load; (0, 0): unknown)."""
+        return list(self._rows[self._usable[index]].image_sizes)
 
     def without(self, indices: set[int], reasons: dict[int, str]) -> VisionDataset:
-        """A dataset without the records at `indices`; each is added to `skipped` with `reasons[index]`."""
-        kept = [e for i, e in enumerate(self._entries) if i not in indices]
-        dropped = [(e.line, reasons[i]) for i, e in enumerate(self._entries) if i in indices]
-        return VisionDataset(self.path, kept, self.skipped + dropped)
+        """A dataset without the records at `indices`; each is added to `skipped` with `reasons[index]` (its row
+        stays known, like any skipped one)."""
+        drop = {self._usable[i] for i in indices}
+        usable = [r for r in self._usable if r not in drop]
+        dropped = [(self._rows[self._usable[i]].line, reasons[i]) for i in sorted(indices)]
+        return VisionDataset(self.path, self._rows, usable, self.skipped + dropped)
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._usable)
 
     def __getitem__(self, index: int) -> Sample:
-        e = self._entries[index]
-        images = [_open_image(p, e.where) for p in e.image_paths]
-        return Sample(e.id, images, e.messages, e.answer, e.metadata, e.record, e.line, list(e.image_paths))
+        """The sample with its images decoded; DatasetError if one no longer decodes."""
+        e = self._rows[self._usable[index]]
+        images = [_decode(ref, e.where) for ref in e.images]
+        labels = [ref.path or ref.label for ref in e.images]
+        return Sample(e.id, images, e.messages, e.answer, e.metadata, e.record, e.line, labels)
 
     def __iter__(self) -> Iterator[Sample]:
         for i in range(len(self)):
@@ -126,92 +164,17 @@ class VisionDataset:
         return f"VisionDataset({self.path!r}, {len(self)} records, {self.num_skipped} skipped)"
 
 
-def _open_image(path: str, where: str) -> Image.Image:
+def _decode(ref: ImageRef, where: str) -> Image.Image:
     try:
-        with Image.open(path) as image:
-            return image.convert("RGB")  # convert() decodes now, so the file can be closed
+        return ref.decode()
     except IMAGE_ERRORS as e:
         raise DatasetError(
-            f"{where}: cannot open image {path!r} ({type(e).__name__}: {e}); fix or replace the file"
+            f"{where}: cannot open image {ref.path or ref.label!r} ({type(e).__name__}: {e}); "
+            "fix or replace the file"
         ) from e
 
 
-def _check_image(path: str, verify: bool) -> tuple[str | None, tuple[int, int]]:
-    """(why the image at `path` is unusable or None if it looks fine, its (width, height) from the header;
-    (0, 0) when unknown: without `verify` an unreadable header is left for the access to report)."""
-    if not os.path.isfile(path):
-        return "file not found", (0, 0)
-    try:
-        with Image.open(path) as image:  # reads the header only
-            size = image.size
-            if verify:
-                image.verify()  # header and checksums only: cheap, no full decode
-    except IMAGE_ERRORS as e:
-        return (f"not a readable image ({type(e).__name__}: {e})" if verify else None), (0, 0)
-    return None, size
-
-
-# --- Reading rows ---
-
-
-def _iter_jsonl(path: str) -> Iterator[tuple[str, int, dict[str, Any]]]:
-    """(location, line number, object) of each non-blank line."""
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            where = f"{path} line {lineno}"
-            try:
-                text = raw.decode("utf-8-sig")  # tolerate the byte-order mark some editors write
-            except UnicodeDecodeError as e:
-                raise DatasetError(f"{where}: not valid UTF-8 ({e.reason}); save the file as UTF-8") from None
-            if not text.strip():
-                continue
-            try:
-                obj = json.loads(text.rstrip("\r\n"))  # so that the error column is on this line
-            except json.JSONDecodeError as e:
-                raise DatasetError(
-                    f"{where}: invalid JSON ({e.msg} at column {e.colno}); each line must hold one JSON object"
-                ) from None
-            if not isinstance(obj, dict):
-                raise DatasetError(f"{where}: expected a JSON object {{...}}, got {_type_name(obj)}")
-            yield where, lineno, obj
-
-
-def _iter_parquet(path: str) -> Iterator[tuple[str, int, dict[str, Any]]]:
-    """(location, row number, row) of each row; columns that are null in a row are treated as absent."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        table = pq.read_table(path)
-    except (OSError, pa.ArrowException) as e:
-        raise DatasetError(f"{path}: cannot read as Parquet ({e})") from e
-    for rownum, row in enumerate(table.to_pylist(), 1):
-        # A column missing from some records is stored as null in those rows.
-        yield f"{path} row {rownum}", rownum, {k: v for k, v in row.items() if v is not None}
-
-
 # --- Validating one record ---
-
-
-def _type_name(value: Any) -> str:
-    return "null" if value is None else type(value).__name__
-
-
-def _check_images_field(record: dict[str, Any], where: str) -> list[str]:
-    if "images" not in record:
-        raise DatasetError(
-            f"{where}: field 'images' is missing; every record needs a list of image paths ([] for text only)"
-        )
-    images = record["images"]
-    if not isinstance(images, list):
-        hint = '; wrap a single path in a list: ["a.png"]' if isinstance(images, str) else ""
-        raise DatasetError(
-            f"{where}: field 'images' must be a list of image paths, got {_type_name(images)}{hint}"
-        )
-    for i, p in enumerate(images):
-        if not isinstance(p, str) or not p:
-            raise DatasetError(f"{where}: field 'images' item {i} must be a non-empty path string, got {p!r}")
-    return images
 
 
 def _normalise_content(content: Any, where: str, name: str) -> list[dict[str, Any]]:
@@ -226,7 +189,7 @@ def _normalise_content(content: Any, where: str, name: str) -> list[dict[str, An
         pname = f"{name}[{j}]"
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "image":
-            parts.append({"type": "image"})  # the image itself comes from 'images', in order
+            parts.append({"type": "image"})  # the image itself comes from the image field, in order
         elif kind == "text" and isinstance(part.get("text"), str):
             parts.append({"type": "text", "text": part["text"]})
         elif kind == "text":
@@ -239,20 +202,23 @@ def _normalise_content(content: Any, where: str, name: str) -> list[dict[str, An
     return parts
 
 
-def _check_messages(record: dict[str, Any], where: str, num_images: int) -> list[dict[str, Any]]:
-    """Normalised messages from `messages` or `prompt`; placeholders must match the images one to one."""
-    has_messages, has_prompt = "messages" in record, "prompt" in record
+def _check_messages(
+    record: dict[str, Any], where: str, num_images: int, layout: Layout
+) -> list[dict[str, Any]]:
+    """Normalised messages from `messages` or the prompt string; placeholders match the images one to one."""
+    key = layout.prompt_key
+    has_messages, has_prompt = "messages" in record, key in record
     if has_messages and has_prompt:
-        raise DatasetError(f"{where}: has both 'messages' and 'prompt'; give only one of them")
+        raise DatasetError(f"{where}: has both 'messages' and {key!r}; give only one of them")
     if has_prompt:
-        prompt = record["prompt"]
+        prompt = record[key]
         if not isinstance(prompt, str):
-            raise DatasetError(f"{where}: field 'prompt' must be a string, got {_type_name(prompt)}")
-        content = [{"type": "image"} for _ in range(num_images)] + [{"type": "text", "text": prompt}]
-        return [{"role": "user", "content": content}]
+            raise DatasetError(f"{where}: field {key!r} must be a string, got {_type_name(prompt)}")
+        return [{"role": "user", "content": prompt_content(prompt, num_images, where, key)}]
     if not has_messages:
         raise DatasetError(
-            f"{where}: field 'messages' is missing; every record needs chat 'messages' or a 'prompt' string"
+            f"{where}: field 'messages' is missing; every record needs chat 'messages' or a {key!r} string "
+            "(set data.prompt_key to the column that holds the question)"
         )
     messages = record["messages"]
     if not isinstance(messages, list) or not messages:
@@ -272,16 +238,21 @@ def _check_messages(record: dict[str, Any], where: str, num_images: int) -> list
     if placeholders != num_images:
         raise DatasetError(
             f'{where}: field \'messages\' has {placeholders} image placeholder(s) ({{"type": "image"}}) but '
-            f"'images' lists {num_images} path(s); they must match one to one, in order"
+            f"{layout.image_key!r} lists {num_images} image(s); they must match one to one, in order"
         )
     return out
 
 
-def _check_record(record: dict[str, Any], where: str, line: int, default_id: str, base_dir: str) -> _Entry:
-    images = _check_images_field(record, where)
-    messages = _check_messages(record, where, len(images))
-    if record.get("answer") is None:
-        raise DatasetError(f"{where}: field 'answer' is missing; every record needs the reference answer")
+def _check_record(
+    record: dict[str, Any], where: str, line: int, default_id: str, base_dir: str, layout: Layout
+) -> _Entry:
+    images = image_refs(record, layout, where, base_dir)
+    messages = _check_messages(record, where, len(images), layout)
+    if record.get(layout.answer_key) is None:
+        raise DatasetError(
+            f"{where}: field {layout.answer_key!r} is missing; every record needs the reference answer "
+            "(set data.answer_key to the column that holds it)"
+        )
     record_id = record.get("id", default_id)
     if isinstance(record_id, int) and not isinstance(record_id, bool):
         record_id = str(record_id)
@@ -290,8 +261,8 @@ def _check_record(record: dict[str, Any], where: str, line: int, default_id: str
     metadata = record.get("metadata", {})
     if not isinstance(metadata, dict):
         raise DatasetError(f"{where}: field 'metadata' must be an object, got {_type_name(metadata)}")
-    paths = [os.path.normpath(os.path.join(base_dir, os.path.expanduser(p))) for p in images]
-    return _Entry(record_id, line, where, paths, messages, record["answer"], metadata, record)
+    kept = slim_record(record, layout, images)
+    return _Entry(record_id, line, where, images, messages, record[layout.answer_key], metadata, kept)
 
 
 # --- Public entry point ---
@@ -303,17 +274,19 @@ def load_dataset(
     on_bad_image: BadImagePolicy = "error",
     max_samples: int | None = None,
     verify_images: bool = True,
+    layout: Layout | None = None,
 ) -> VisionDataset:
     """Load and validate a JSONL (`.jsonl`, `.ndjson`) or Parquet (`.parquet`, `.pq`) prompt file.
 
-    on_bad_image: a missing or undecodable image raises DatasetError ("error") or drops the record, which
-        is counted in `dataset.skipped` and reported in one warning ("skip").
-    max_samples: keep at most this many records (the first ones); reading stops there.
-    verify_images: check at load time that each image decodes (PIL verify: headers and checksums) rather
-        than only that it exists.
+    on_bad_image: a missing, empty or undecodable image raises DatasetError ("error") or drops the record,
+        which is counted in `dataset.skipped` and reported in one warning ("skip").
+    max_samples: keep at most this many records (the first usable ones); reading stops there.
+    verify_images: decode every image fully at load (truncated files fail here, not mid-run) rather than
+        only check that files exist.
+    layout: which fields hold the prompt, the answer and the images (default: our own field names).
     Raises DatasetError for malformed records or files, FileNotFoundError if `path` does not exist.
     """
-    path_str = str(path)
+    path_str, layout = str(path), layout or Layout()
     suffix = Path(path_str).suffix.lower()
     if suffix not in FORMATS:
         raise DatasetError(
@@ -328,15 +301,15 @@ def load_dataset(
             f"data file not found: {path_str}; check the path (data.train / data.eval in a job file, "
             "relative to the directory you run from), or create data with `visionrl make-data`"
         )
-    is_jsonl = FORMATS[suffix] == "jsonl"
-    rows, unit = (_iter_jsonl(path_str), "line") if is_jsonl else (_iter_parquet(path_str), "row")
+    unit = "line" if FORMATS[suffix] == "jsonl" else "row"
     base_dir = os.path.dirname(os.path.abspath(path_str))
     stem = Path(path_str).stem
-    entries: list[_Entry] = []
+    rows: list[_Entry] = []
+    usable: list[int] = []
     skipped: list[tuple[int, str]] = []
     first_line_of_id: dict[str, int] = {}
-    for where, lineno, record in rows:
-        entry = _check_record(record, where, lineno, f"{stem}-{lineno}", base_dir)
+    for where, lineno, record in iter_rows(path_str):
+        entry = _check_record(record, where, lineno, f"{stem}-{lineno}", base_dir, layout)
         if entry.id in first_line_of_id:
             raise DatasetError(
                 f"{where}: field 'id' {entry.id!r} is already used on {unit} {first_line_of_id[entry.id]}; "
@@ -344,9 +317,10 @@ def load_dataset(
             )
         first_line_of_id[entry.id] = lineno
         reason = _first_bad_image(entry, verify_images)
+        rows.append(entry)
         if reason is None:
-            entries.append(entry)
-            if len(entries) == max_samples:
+            usable.append(len(rows) - 1)
+            if len(usable) == max_samples:
                 break  # before the next line is even parsed
         elif on_bad_image == "skip":
             skipped.append((lineno, reason))
@@ -363,19 +337,20 @@ def load_dataset(
             unit,
             *skipped[0],
         )
-    if not entries:
+    if not usable:
         raise DatasetError(f"{path_str}: no usable records ({len(skipped)} skipped for bad images)")
-    return VisionDataset(path_str, entries, skipped)
+    return VisionDataset(path_str, rows, usable, skipped)
 
 
-def _first_bad_image(entry: _Entry, verify: bool) -> str | None:
+def _first_bad_image(entry: _Entry, decode: bool) -> str | None:
     """Why the first bad image of `entry` is unusable, or None; fills `entry.image_sizes` on the way."""
-    for raw, resolved in zip(entry.record["images"], entry.image_paths, strict=True):
-        reason, size = _check_image(resolved, verify)
+    for ref in entry.images:
+        if decode:
+            reason = ref.problem()
+        else:
+            reason = None if ref.path is None or os.path.isfile(ref.path) else "file not found"
         if reason is not None:
-            return f"image {raw!r} ({resolved}): {reason}"
-        entry.image_sizes.append(size)
+            where = f"image {ref.label!r}" + (f" ({ref.path})" if ref.path else "")
+            return f"{where}: {reason}"
+        entry.image_sizes.append(ref.size())
     return None
-
-
-# --- Sampling batches of prompts ---

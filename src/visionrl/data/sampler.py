@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import random
 from typing import Any
 
-from visionrl.data.dataset import DatasetError, VisionDataset
+from visionrl.data.dataset import DatasetError, Sample, VisionDataset
+
+logger = logging.getLogger(__name__)
 
 
 def _derive_seed(*parts: object) -> int:
@@ -25,10 +28,10 @@ def _lookup(record: dict[str, Any], key: str) -> Any:
     return value
 
 
-def _group_by(dataset: VisionDataset, key: str) -> list[list[int]]:
-    """Indices grouped by the value of `key`, groups ordered by that value (independent of file order)."""
+def _group_by(dataset: VisionDataset, key: str) -> dict[str, list[int]]:
+    """Rows grouped by the value of `key` (as JSON text), groups ordered by that value (not file order)."""
     groups: dict[str, list[int]] = {}
-    for i, (record, record_id) in enumerate(zip(dataset.records, dataset.ids, strict=True)):
+    for i, (record, record_id) in enumerate(zip(dataset.row_records, dataset.row_ids, strict=True)):
         try:
             value = _lookup(record, key)
         except KeyError:
@@ -38,7 +41,7 @@ def _group_by(dataset: VisionDataset, key: str) -> list[list[int]]:
             ) from None
         # JSON text makes any answer value (list, dict, number) a hashable, sortable group key.
         groups.setdefault(json.dumps(value, sort_keys=True), []).append(i)
-    return [groups[k] for k in sorted(groups)]
+    return {k: groups[k] for k in sorted(groups)}
 
 
 class PromptSampler:
@@ -53,6 +56,9 @@ class PromptSampler:
 
     The state is only counters (batches drawn, epoch and position of each stream), so loading the
     `state_dict()` taken after n batches into a fresh sampler continues with exactly batch n + 1.
+    The streams run over every row of the file, usable or not: a row whose record was skipped for a bad
+    image (at load, or by `exclude` mid-run) is passed over where it comes up, so a resumed run whose data
+    lost an image in between continues with the same order, minus that record.
     """
 
     def __init__(
@@ -66,7 +72,18 @@ class PromptSampler:
         self.seed = seed
         self.balance_key = balance_key
         self._num_samples = len(dataset)
-        self._groups = [list(range(len(dataset)))] if balance_key is None else _group_by(dataset, balance_key)
+        self._num_rows = len(dataset.row_records)
+        self._index_of = {row: i for i, row in enumerate(dataset.usable_rows)}
+        self._row_of = dataset.usable_rows
+        by_value = (
+            {"": list(range(self._num_rows))} if balance_key is None else _group_by(dataset, balance_key)
+        )
+        self._group_values, self._groups = list(by_value), list(by_value.values())
+        self._group_of = {row: g for g, rows in enumerate(self._groups) for row in rows}
+        self.passed_over = 0  # draws of a row without a usable record (skipped at load or excluded)
+        self.excluded: set[int] = set()  # dataset indices whose images failed to decode mid-run
+        for g in range(len(self._groups)):
+            self._check_group(g)
         self._step = 0
         self._epoch = [0] * len(self._groups)
         self._position = [0] * len(self._groups)
@@ -113,21 +130,45 @@ class PromptSampler:
             cached = self._orders[group] = (epoch, order)
         return cached[1]
 
+    def _usable(self, row: int) -> bool:
+        index = self._index_of.get(row)
+        return index is not None and index not in self.excluded
+
+    def _check_group(self, group: int) -> None:
+        if not any(self._usable(row) for row in self._groups[group]):
+            what = (
+                "" if self.balance_key is None else f" with {self.balance_key} = {self._group_values[group]}"
+            )
+            raise DatasetError(
+                f"every record{what} has a bad image, so no prompt can be drawn; fix or replace the images"
+            )
+
     def _take(self, group: int, count: int) -> list[int]:
         out: list[int] = []
         while len(out) < count:
             order, pos = self._order(group), self._position[group]
-            chunk = order[pos : pos + count - len(out)]
-            out.extend(chunk)
-            self._position[group] = pos + len(chunk)
+            row = order[pos]
+            if self._usable(row):
+                out.append(self._index_of[row])
+            else:
+                self.passed_over += 1
+            self._position[group] = pos + 1
             if self._position[group] == len(order):
                 self._epoch[group] += 1
                 self._position[group] = 0
         return out
 
+    def exclude(self, index: int) -> int:
+        """Stop drawing dataset index `index` (its image no longer decodes) and return its replacement:
+        the next usable index of the same stream. DatasetError if that stream has no usable record left."""
+        self.excluded.add(index)
+        group = self._group_of[self._row_of[index]]
+        self._check_group(group)
+        return self._take(group, 1)[0]
+
     def _fingerprint(self) -> dict[str, Any]:
         return {
-            "num_samples": self._num_samples,
+            "num_samples": self._num_rows,  # every row, usable or not: stable when an image goes bad
             "batch_size": self.batch_size,
             "seed": self.seed,
             "balance_key": self.balance_key,
@@ -158,3 +199,19 @@ class PromptSampler:
         if not valid or not all(0 <= p < n for p, n in zip(position, sizes, strict=True)):
             raise ValueError(f"cannot resume the prompt sampler: malformed state {state!r}")
         self._step, self._epoch, self._position = int(state["step"]), epoch, position
+
+
+def draw_samples(dataset: VisionDataset, sampler: PromptSampler) -> list[Sample]:
+    """The next batch of samples, images decoded. A record whose image no longer decodes (the file changed
+    after the load-time check) is skipped, counted in `sampler.excluded` and replaced from the same stream,
+    so a long run does not die on it."""
+    out = []
+    for index in sampler.next_batch():
+        while True:
+            try:
+                out.append(dataset[index])
+                break
+            except DatasetError as err:
+                logger.warning("skipping a record whose image failed to decode: %s", err)
+                index = sampler.exclude(index)
+    return out

@@ -2,7 +2,7 @@
 
 They let the demo (a tiny, randomly initialised Qwen3-VL on CPU) and the tests train and evaluate without
 downloading anything: every task shows the same question for every sample, so a model that ignores the
-image is stuck at chance. Images are small PIL drawings without anti-aliasing, so that a simple pixel rule
+image is stuck at chance. `same_color` shows two images per prompt, and only both together give the answer. Images are small PIL drawings without anti-aliasing, so that a simple pixel rule
 recovers the answer (the tests use this to prove the answer really is in the image).
 
 `make_dataset` writes the user-facing data format (JSONL + PNG files with relative paths), so the demo goes
@@ -49,11 +49,17 @@ WORD_PATTERN = re.compile(r"[a-z0-9]+|[^\sa-z0-9]")
 
 @dataclass(frozen=True)
 class TaskItem:
-    """One rendered sample: the picture, its answer and what was drawn (JSON-serialisable)."""
+    """One rendered sample: the picture (and, for multi-image tasks, the further pictures of the same
+    prompt, in order), its answer and what was drawn (JSON-serialisable)."""
 
     image: Image.Image
     answer: str
     metadata: dict[str, Any]
+    more_images: tuple[Image.Image, ...] = ()
+
+    @property
+    def images(self) -> list[Image.Image]:
+        return [self.image, *self.more_images]
 
 
 @dataclass(frozen=True)
@@ -193,6 +199,16 @@ def _render_sides(rng: random.Random, answer: str, size: int) -> TaskItem:
     return TaskItem(image, answer, meta)
 
 
+def _render_same_color(rng: random.Random, answer: str, size: int) -> TaskItem:
+    """Two pictures of one shape each (as in `color`); "yes" when both shapes have the same colour. Either
+    picture alone says nothing about the answer: only comparing both does."""
+    first = rng.choice(sorted(COLORS))
+    second = first if answer == "yes" else rng.choice(sorted(set(COLORS) - {first}))
+    a, b = _render_color(rng, first, size), _render_color(rng, second, size)
+    meta = {"colors": [first, second], "shapes": [a.metadata["shape"], b.metadata["shape"]]}
+    return TaskItem(a.image, answer, meta, more_images=(b.image,))
+
+
 TASKS: dict[str, Task] = {
     "color": Task("color", "What color is the shape?", tuple(COLORS), _render_color),
     "count": Task("count", "How many shapes are in the image?", ("1", "2", "3", "4"), _render_count),
@@ -203,6 +219,9 @@ TASKS: dict[str, Task] = {
         _render_position,
     ),
     "sides": Task("sides", "How many sides does the shape have?", ("3", "4", "5", "6"), _render_sides),
+    # Two images per prompt. Worded with words the other questions and the tiny tokenizer's base words
+    # already hold, so adding this task leaves the demo's tokenizer (and so its base model) unchanged.
+    "same_color": Task("same_color", "Are the two shapes one color?", ("yes", "no"), _render_same_color),
 }
 
 
@@ -248,14 +267,14 @@ def _write_split(out: Path, task: Task, split: str, num: int, seed: int, image_s
     with open(out / f"{split}.jsonl", "w", encoding="utf-8", newline="\n") as f:
         for i, answer in enumerate(balanced_answers(rng, task.answers, num)):
             item = task.render(rng, answer, image_size)
-            rel = f"images/{split}/{i:05d}.png"
-            item.image.save(out / rel, format="PNG")
+            rels = [f"images/{split}/{i:05d}{'' if k == 0 else f'_{k}'}.png" for k in range(len(item.images))]
+            for rel, image in zip(rels, item.images, strict=True):
+                image.save(out / rel, format="PNG")
+            content = [{"type": "image"} for _ in rels] + [{"type": "text", "text": task.question}]
             record = {
                 "id": f"{task.name}-{split}-{i:05d}",
-                "images": [rel],
-                "messages": [
-                    {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": task.question}]}
-                ],
+                "images": rels,
+                "messages": [{"role": "user", "content": content}],
                 "answer": item.answer,
                 "metadata": {"task": task.name, **item.metadata},
             }

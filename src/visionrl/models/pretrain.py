@@ -22,6 +22,16 @@ from visionrl.train.batching import EncodedPrompt, Sequence, collate
 
 TRUE_LABEL_TASKS = ("position", "count", "sides")
 RANDOM_LABEL_TASK = "color"
+EASY_VQA = "easy-vqa"
+# Which tasks a base learns with true labels and which only in format (random labels), per task a GRPO run
+# then has to learn. "color" is the demo's base. For the two-image `same_color` task the base reads colours
+# (real bases do) and knows the yes/no format, but not the comparison of two images, which GRPO must learn.
+RECIPES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "color": (TRUE_LABEL_TASKS, (RANDOM_LABEL_TASK,)),
+    "same_color": ((*TRUE_LABEL_TASKS, "color"), ("same_color",)),
+    # easy-VQA's train questions with random answers of each question's type (yes/no, a shape, a colour).
+    EASY_VQA: (TRUE_LABEL_TASKS, (EASY_VQA,)),
+}
 
 
 @dataclass
@@ -31,16 +41,32 @@ class PretrainReport:
     seconds: float
 
 
-def _examples(rng: random.Random, num_per_task: int, image_size: int) -> list[tuple[str, Image.Image, str]]:
-    """(question, image, target answer) triples; colour answers are random labels."""
-    out: list[tuple[str, Image.Image, str]] = []
-    for name in (*TRUE_LABEL_TASKS, RANDOM_LABEL_TASK):
+def _examples(
+    rng: random.Random, num_per_task: int, image_size: int, recipe: str
+) -> list[tuple[str, list[Image.Image], str]]:
+    """(question, images, target answer) triples; the recipe's format-only tasks get random labels."""
+    true_tasks, random_tasks = RECIPES[recipe]
+    out: list[tuple[str, list[Image.Image], str]] = []
+    for name in (*true_tasks, *random_tasks):
+        if name == EASY_VQA:
+            out.extend(_easy_vqa_examples(rng, 4 * num_per_task))
+            continue
         task = TASKS[name]
         for answer in balanced_answers(rng, task.answers, num_per_task):
             item = task.render(rng, answer, image_size)
-            target = rng.choice(task.answers) if name == RANDOM_LABEL_TASK else item.answer
-            out.append((task.question, item.image, target))
+            target = rng.choice(task.answers) if name in random_tasks else item.answer
+            out.append((task.question, item.images, target))
     rng.shuffle(out)
+    return out
+
+
+def _easy_vqa_examples(rng: random.Random, num: int) -> list[tuple[str, list[Image.Image], str]]:
+    from visionrl.data.easy_vqa import format_examples
+
+    out = []
+    for question, path, answer in format_examples(rng, num):
+        with Image.open(path) as image:
+            out.append((question, [image.convert("RGB")], answer))
     return out
 
 
@@ -54,22 +80,25 @@ def pretrain_tiny(
     lr: float = 2e-3,
     num_per_task: int = 512,
     image_size: int = 64,
+    recipe: str = "color",
 ) -> PretrainReport:
-    """Full-parameter supervised training on answer tokens (+ end of turn). Deterministic for a seed."""
+    """Full-parameter supervised training on answer tokens (+ end of turn). Deterministic for a seed.
+    `recipe`: which tasks are taught with true labels and which in format only (RECIPES)."""
     import time
 
     t0 = time.perf_counter()
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    data = _examples(rng, num_per_task, image_size)
+    data = _examples(rng, num_per_task, image_size, recipe)
     tok = processor.tokenizer
     end_id = tok.convert_tokens_to_ids("<|im_end|>")
     encoded: list[EncodedPrompt] = []
     targets: list[list[int]] = []
-    for question, image, answer in data:
-        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+    for question, images, answer in data:
+        content = [*({"type": "image"} for _ in images), {"type": "text", "text": question}]
+        messages = [{"role": "user", "content": content}]
         text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        enc = processor(text=[text], images=[image], return_tensors="pt")
+        enc = processor(text=[text], images=images, return_tensors="pt")
         encoded.append(
             EncodedPrompt(
                 enc["input_ids"][0], enc["mm_token_type_ids"][0], enc["pixel_values"], enc["image_grid_thw"]

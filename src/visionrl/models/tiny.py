@@ -257,12 +257,14 @@ def build_tiny_model(
     extra_words: list[str] | None = None,
     pretrain: bool = False,
     arch: str = DEFAULT_ARCH,
+    recipe: str = "color",
 ) -> Path:
     """Write a tiny checkpoint directory of `arch` (a key of ARCHS): config, safetensors, tokenizer, processor,
     template.
 
     `pretrain=True` adds the short supervised pre-training of `models/pretrain.py` (about half a minute),
-    giving a base that reads images and answers in format, as real bases do.
+    giving a base that reads images and answers in format, as real bases do; `recipe` names the task the
+    base is made for (`models.pretrain.RECIPES`: it knows that task's answer format, not its answers).
     """
     import torch
     import transformers
@@ -275,7 +277,12 @@ def build_tiny_model(
     classes = ARCHS[arch]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    vocab = train_tokenizer(task_vocabulary() + list(extra_words or []), out)
+    words = task_vocabulary() + list(extra_words or [])
+    if recipe == "easy-vqa":  # a third-party data set: its questions' words become tokens too
+        from visionrl.data.easy_vqa import vocabulary
+
+        words += vocabulary()
+    vocab = train_tokenizer(words, out)
     config = getattr(transformers, classes["config"])(**tiny_config_dict(len(vocab), vocab, arch))
 
     torch.manual_seed(seed)
@@ -290,8 +297,10 @@ def build_tiny_model(
     if pretrain:
         from visionrl.models.pretrain import pretrain_tiny
 
-        report = pretrain_tiny(model, processor, seed=seed)
+        report = pretrain_tiny(model, processor, seed=seed, recipe=recipe)
         info.update(pretrain_steps=report.steps, pretrain_final_loss=round(report.final_loss, 4))
+        if recipe != "color":  # the demo base's file stays byte-identical
+            info["pretrain_recipe"] = recipe
     model.save_pretrained(out, safe_serialization=True)
     GenerationConfig(
         eos_token_id=vocab["<|im_end|>"],

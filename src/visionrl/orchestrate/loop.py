@@ -122,6 +122,7 @@ def _train(cfg: JobConfig, run: RunDir, ckpt: Path | None, prompts_in: PromptStr
                 tags.SAMPLING_ROUNDS: float(got.rounds),
                 tags.SKIPPED_PROMPTS: float(got.skipped),
                 tags.ACTOR_RESTARTS: float(workers.restarts),
+                **prompts_in.data_metrics(),
                 **clock.metrics(),
             }
             health.after_step(step, stats, scores)  # stops a run that trains on nothing

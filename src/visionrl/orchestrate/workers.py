@@ -21,8 +21,10 @@ from visionrl import metrics as tags
 from visionrl.config import JobConfig
 from visionrl.data import PromptSampler, VisionDataset, load_dataset
 from visionrl.data.images import ImageBudget
+from visionrl.data.layouts import Layout
 from visionrl.data.lengths import fit_to_engine
 from visionrl.data.prompts import build_prompt
+from visionrl.data.sampler import draw_samples
 from visionrl.errors import RunError
 from visionrl.models.loader import load_processor
 from visionrl.orchestrate.remote import (
@@ -55,15 +57,17 @@ class PromptStream:
     def __init__(self, cfg: JobConfig) -> None:
         self.cfg = cfg
         self.processor = load_processor(cfg.model.path, ImageBudget.of(cfg.data))
-        self.train = self._fit(load_dataset(cfg.data.train, on_bad_image=cfg.data.on_bad_image))
+        d = cfg.data
+        layout = Layout(prompt_key=d.prompt_key, answer_key=d.answer_key, image_key=d.image_key)
+        self.train = self._fit(load_dataset(d.train, on_bad_image=d.on_bad_image, layout=layout))
         self.sampler = PromptSampler(
-            self.train, cfg.rollout.prompts_per_step, cfg.train.seed, balance_key=cfg.data.balance_key
+            self.train, cfg.rollout.prompts_per_step, cfg.train.seed, balance_key=d.balance_key
         )
         self._eval_data = None
-        if cfg.data.eval is not None:
+        if d.eval is not None:
             self._eval_data = self._fit(
                 load_dataset(
-                    cfg.data.eval, on_bad_image=cfg.data.on_bad_image, max_samples=cfg.data.max_eval_samples
+                    d.eval, on_bad_image=d.on_bad_image, max_samples=d.max_eval_samples, layout=layout
                 )
             )
         self._eval: list[PromptItem] | None = None
@@ -81,7 +85,14 @@ class PromptStream:
         return fitted
 
     def next_batch(self) -> list[PromptItem]:
-        return [self._prompt(self.train[i]) for i in self.sampler.next_batch()]
+        return [self._prompt(s) for s in draw_samples(self.train, self.sampler)]
+
+    def data_metrics(self) -> dict[str, float]:
+        """Records skipped for bad images: at load, and mid-run so far (each replaced by another record)."""
+        return {
+            tags.DATA_SKIPPED_AT_LOAD: float(self.train.num_skipped),
+            tags.DATA_SKIPPED_MIDRUN: float(len(self.sampler.excluded)),
+        }
 
     def _prompt(self, sample: Any) -> PromptItem:
         return build_prompt(sample, self.processor, self.cfg.data.system_prompt)
