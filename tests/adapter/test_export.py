@@ -19,7 +19,7 @@ from visionrl.adapter.manifest import chat_template_sha256, processor_settings, 
 from visionrl.adapter.servable import adapter_module_names, check_servable
 from visionrl.checkpoint import save_checkpoint
 from visionrl.config import LM_PROJECTIONS, MERGER_PROJECTIONS, LoraConfig, config_from_dict, dump_config
-from visionrl.errors import InputError
+from visionrl.errors import InputError, StorageError
 from visionrl.models.loader import lora_target_regex
 
 PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")
@@ -223,7 +223,8 @@ def test_failed_upload_leaves_no_manifest(
         real_upload(fs, local, remote)
 
     monkeypatch.setattr(export, "_upload_file", failing_upload)
-    with pytest.raises(OSError, match="connection reset"):
+    # the storage's own error, named with the file and bytes (visionrl.errors.storage_error)
+    with pytest.raises(StorageError, match="adapter_model.safetensors failed: connection reset"):
         export_adapter(run, str(dest))
     # Also the old manifest is gone: it must not vouch for a mix of old and new files.
     assert not (dest / MANIFEST_NAME).exists()

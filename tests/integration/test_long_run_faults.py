@@ -134,7 +134,7 @@ def test_a_failed_evaluation_still_checkpoints_its_step_and_cleans_up(
                train={"steps": 4}, logging={"eval_every": 2, "save_every": 100})  # fmt: skip
     with pytest.raises(
         RunError,
-        match=r"(?s)the evaluation at step 2 failed: \w*(ActorDied|RayActor)Error: .*step 2 was checkpointed",
+        match=r"(?s)the evaluation at step 2 failed: \w*(ActorDied|RayActor|ActorFailed)\w*: .*step 2 was checkpointed",
     ):
         train(cfg)
     assert load_checkpoint(latest_checkpoint(run)).step == 2

@@ -160,7 +160,7 @@ def _evaluate(workers: Workers, prompts_in: PromptStream, step: int) -> tuple[fl
         return workers.evaluate(prompts_in.eval_prompts()), None
     except Preempted:
         return None, None
-    except (ray.exceptions.RayError, RunError) as err:
+    except (ray.exceptions.RayError, RunError, ActorProblem) as err:  # ActorProblem: an engine past restarts
         cause = getattr(err, "cause", None) or err
         return None, RunError(
             f"the evaluation at step {step} failed: {type(cause).__name__}: {first_line(cause)}\nstep {step} "

@@ -57,7 +57,10 @@ class ActorFailed(ActorProblem):
         self.unavailable = isinstance(err, ray.exceptions.ActorUnavailableError)
         # The remote traceback: str() of Ray's error (its `traceback_str` is not reachable on the subclass of
         # the cause's type that ray.get raises).
-        self.traceback = _ANSI.sub("", str(err)) if self.cause is not None else ""
+        # An exception in the actor's __init__ reaches us only as text inside Ray's ActorDiedError: the remote
+        # traceback, whose last line is the original "Type: message".
+        self.init_error = _init_error(err)
+        self.traceback = _ANSI.sub("", str(err)) if self.cause is not None or self.init_error else ""
         super().__init__(role, index, phase, self._describe(role, index, phase, err))
 
     def _describe(self, role: str, index: int, phase: str, err: BaseException) -> str:
@@ -66,6 +69,10 @@ class ActorFailed(ActorProblem):
         if self.cause is not None:
             what = f"{type(self.cause).__name__}: {first_line(self.cause)}"
             return f"the {role} {index} failed during {phase}: {what}\nTo fix: {advice(role, phase)}"
+        if self.init_error:
+            return (
+                f"the {role} {index} failed during {phase}: {self.init_error}\nTo fix: {advice(role, phase)}"
+            )
         if self.died:
             return (
                 f"the {role} {index} died during {phase} ({first_line(err)}): its process was killed (out of "
@@ -73,6 +80,19 @@ class ActorFailed(ActorProblem):
                 "for the reason in the Ray logs of that node (raylet.out; dmesg for the kernel's OOM killer)"
             )
         return f"the {role} {index} failed during {phase}: {type(err).__name__}: {first_line(err)}"
+
+
+def _init_error(err: BaseException) -> str:
+    """ "Type: message" of an exception raised in an actor's constructor, from Ray's ActorDiedError; else ""."""
+    if not (isinstance(err, ray.exceptions.RayActorError) and err.actor_init_failed):
+        return ""
+    lines = [ln.strip() for ln in _ANSI.sub("", str(err)).splitlines() if ln.strip()]
+    found = [i for i, ln in enumerate(lines) if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Exit)\b.*:", ln)]
+    if not found:
+        return ""
+    # the message may go on (pydantic puts the reason on the next lines): up to two more lines
+    rest = [ln for ln in lines[found[-1] + 1 : found[-1] + 3] if not ln.startswith(("File ", "For further"))]
+    return " ".join([lines[found[-1]], *rest])
 
 
 class ActorHung(ActorProblem):

@@ -180,8 +180,8 @@ class Workers:
         limit = self.cfg.ray.max_actor_restarts
         if problem.role == LEARNER:
             raise problem  # its optimizer state lives only there: the run continues from the checkpoint
-        if isinstance(problem, ActorFailed) and not problem.died:
-            raise problem  # it raised: the same call would raise again, so the cause goes to the user
+        if isinstance(problem, ActorFailed) and (not problem.died or problem.init_error):
+            raise problem  # it raised (also in its constructor): it would raise again; the cause goes to the user
         if self.restarts >= limit:
             problem.args = (
                 f"{problem}\n(restarted {self.restarts} of ray.max_actor_restarts={limit} times)",
