@@ -204,20 +204,13 @@ def main() -> None:
     if args.layout_only:
         layout_rows(args)
         return
-    from visionrl.models.shaped import build_shaped_checkpoint
     from visionrl.train.learner import Learner
 
     device = "cpu" if args.smoke else "cuda"
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
-        model_dir = build_shaped_checkpoint(
-            Path(tmp) / "qwen3vl-8b-shaped",
-            device=device,
-            dtype="float32" if args.smoke else "bfloat16",
-            text=SMOKE_TEXT if args.smoke else None,
-            vision=SMOKE_VISION if args.smoke else None,
-        )
+        model_dir = shaped_checkpoint(Path(tmp), args)
         t_build = time.perf_counter() - t0
         cfg = job(model_dir, args)
         learner = Learner(cfg, device=device)
@@ -288,20 +281,26 @@ def main() -> None:
     print(json.dumps(vision))
 
 
-def layout_rows(args: argparse.Namespace) -> None:
+def shaped_checkpoint(tmp: Path, args: argparse.Namespace) -> Path:
+    """The 8B-shaped checkpoint (small shapes with --smoke) in `tmp`."""
     from visionrl.models.shaped import build_shaped_checkpoint
+
+    return build_shaped_checkpoint(
+        tmp / "qwen3vl-8b-shaped",
+        device="cpu" if args.smoke else "cuda",
+        dtype="float32" if args.smoke else "bfloat16",
+        text=SMOKE_TEXT if args.smoke else None,
+        vision=SMOKE_VISION if args.smoke else None,
+    )
+
+
+def layout_rows(args: argparse.Namespace) -> None:
     from visionrl.train.learner import Learner
 
     device = "cpu" if args.smoke else "cuda"
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_shaped_checkpoint(
-            Path(tmp) / "m",
-            device=device,
-            dtype="float32" if args.smoke else "bfloat16",
-            text=SMOKE_TEXT if args.smoke else None,
-            vision=SMOKE_VISION if args.smoke else None,
-        )
+        model_dir = shaped_checkpoint(Path(tmp), args)
         learner = Learner(job(model_dir, args), device=device)
         equal, spread = make_batch(learner, args, spread=False), make_batch(learner, args, spread=True)
         configure(learner, VARIANTS[0])

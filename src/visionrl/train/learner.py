@@ -275,8 +275,7 @@ class Learner:
         # No activations are kept, so larger batches fit; 16384 tokens measured faster than 4096 on the H200.
         budget = train.logprob_batch_tokens or max(train.micro_batch_tokens, NO_GRAD_BATCH_TOKENS)
         mbs = self._micro_batches(encoded, seqs, rows, budget) if rows else []
-        for _ in range(self.ranks.most(len(mbs)) - len(mbs) if self.ranks.fsdp else 0):
-            mbs.append(self._filler(encoded, seqs))  # FSDP: as many forwards as the busiest rank
+        self._even_out(mbs, encoded, seqs)
         for mb in mbs:
             with contextlib.nullcontext() if adapter else self.model.disable_adapter():
                 lp, _ = self._stats(mb)
@@ -311,11 +310,15 @@ class Learner:
             tags.MISMATCH_KL: m["mismatch_kl"],
         }
 
-    def _filler(self, encoded: list[EncodedPrompt], seqs: list[Sequence]) -> MicroBatch:
-        """A micro-batch of one sequence that takes part in FSDP's collectives and in nothing else (`rows` empty)."""
-        mb = collate(encoded, seqs, [0], self.pad_id)
-        mb.rows = []
-        return mb
+    def _even_out(self, mbs: list[MicroBatch], encoded: list[EncodedPrompt], seqs: list[Sequence]) -> None:
+        """With FSDP every rank must run as many passes as the busiest one (each pass is a collective): append
+        micro-batches of one sequence that take part in the collectives and in nothing else (`rows` empty)."""
+        if not self.ranks.fsdp:
+            return
+        for _ in range(self.ranks.most(len(mbs)) - len(mbs)):
+            filler = collate(encoded, seqs, [0], self.pad_id)
+            filler.rows = []
+            mbs.append(filler)
 
     def _gather(self, store: dict[int, torch.Tensor] | None, mb: MicroBatch) -> torch.Tensor | None:
         if store is None:
@@ -330,8 +333,7 @@ class Learner:
         algo, cfg = self.cfg.algorithm, self.cfg
         self.model.train()
         mbs = self._micro_batches(encoded, seqs, mine) if mine else []
-        for _ in range(self.ranks.most(len(mbs)) - len(mbs) if self.ranks.fsdp else 0):
-            mbs.append(self._filler(encoded, seqs))  # FSDP: as many forwards/backwards as the busiest rank
+        self._even_out(mbs, encoded, seqs)
         num_tokens = float(sum(len(seqs[r].completion_ids) for r in rows))
         num_seqs = float(sum(1 for r in rows if seqs[r].completion_ids))
         norms = {
