@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -107,3 +111,49 @@ def small_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     yield make
     for folder in mounted:
         subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+RANK_SCRIPT = Path(__file__).parent / "learner_rank.py"  # one rank's run (its docstring says what it does)
+
+
+def _run_learner_ranks(
+    raw: dict, world: int, out: Path, fsdp: bool = False, steps: int = 1, device: str = "cpu"
+) -> tuple[dict[str, Any], dict[str, float]]:
+    from safetensors.torch import load_file
+
+    from visionrl.train.ranks import free_address
+
+    address, mode = free_address("127.0.0.1"), "fsdp" if fsdp else "plain"
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(RANK_SCRIPT),
+                json.dumps(raw),
+                str(r),
+                str(world),
+                address,
+                str(out),
+                mode,
+                str(steps),
+                device,
+            ]
+        )
+        for r in range(world)
+    ]
+    try:
+        codes = [p.wait(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert codes == [0] * world
+    return load_file(str(out) + ".safetensors"), json.loads(Path(str(out) + ".json").read_text())
+
+
+@pytest.fixture
+def run_learner_ranks():
+    """Run `world` learner ranks of tests/learner_rank.py as processes; returns (rank 0's trained LoRA weights,
+    its last step's metrics)."""
+    return _run_learner_ranks
