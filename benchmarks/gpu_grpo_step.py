@@ -280,10 +280,18 @@ def run_trl(
 
 
 def merge(report: dict[str, Any], earlier: dict[str, Any]) -> None:
+    """Keep the earlier file's rows of the sizes not run now, its other keys (e.g. `before`), and each replaced
+    row under `superseded` with the date of the file it came from."""
+    superseded = list(earlier.get("superseded", []))
     for key in ("results", "trl"):
         sizes = {r["size"] for r in report[key]}
         rows = earlier.get(key) if isinstance(earlier.get(key), list) else []
         report[key] = [r for r in rows if r["size"] not in sizes] + report[key]
+        superseded += [{**r, "table": key, "file_date": earlier.get("date")} for r in rows if r["size"] in sizes]
+    for key, value in earlier.items():
+        report.setdefault(key, value)
+    if superseded:
+        report["superseded"] = superseded
 
 
 def attach_trl(report: dict[str, Any]) -> None:
