@@ -445,10 +445,14 @@ class Learner:
 
     # ------------------------------------------------------------------ adapter out
     def save_adapter(self, path: str | Path) -> Path:
+        """The PEFT adapter files (full precision) in `path`. Every rank calls it (with FSDP the weights are
+        gathered); only rank 0 writes, so ranks on one node or a shared file system never write one file twice."""
         path = Path(path)
-        # With LoRA on lm_head peft would also save the (frozen, unchanged) base lm_head: 1.2 GB for an 8B model,
-        # on every sync. The adapter is the LoRA weights only.
-        self.model.save_pretrained(str(path), save_embedding_layers=False)
+        payload = self.adapter_payload(for_engine=False)  # LoRA weights only, as peft's save_pretrained writes
+        if self.ranks.rank == 0:
+            path.mkdir(parents=True, exist_ok=True)
+            for name, data in payload.files.items():
+                (path / name).write_bytes(data)
         return path
 
     def adapter_payload(self, for_engine: bool = True) -> AdapterPayload:
