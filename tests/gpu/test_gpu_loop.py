@@ -79,7 +79,7 @@ def test_placement_of_learner_and_engine(
         }
     )
     with ray_session(cfg.ray):
-        learner, engines, _ = start_actors(cfg)
-        places = ray.get([learner.placement.remote(), engines[0].placement.remote()])
+        learners, engines, _ = start_actors(cfg)
+        places = ray.get([learners[0].placement.remote(), engines[0].placement.remote()])
     assert len(places[0]["gpus"]) == 1 and len(places[1]["gpus"]) == 1
     assert (places[0]["gpus"] == places[1]["gpus"]) is same_gpu, places
