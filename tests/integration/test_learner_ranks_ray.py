@@ -52,7 +52,8 @@ def _cfg(model: Path, data_dir: Path, out: Path, reward: str = "exact_match", **
 def _adapter(run: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    return load_file(str(run / "adapter" / "adapter_model.safetensors"))
+    # copies: load_file maps the file, and a later export to the same folder would show through
+    return {k: v.clone() for k, v in load_file(str(run / "adapter" / "adapter_model.safetensors")).items()}
 
 
 def test_two_learner_ranks_train_the_adapter_one_learner_trains_and_resume(

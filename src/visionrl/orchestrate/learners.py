@@ -12,9 +12,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from visionrl.orchestrate.remote import LEARNER, Call, gather
+import ray
+
+from visionrl.orchestrate.remote import LEARNER, ActorFailed, Call, gather
 
 CALL_KEY = "ray.call_timeout_s"
+DEATH_GRACE_S = 10.0  # how long a rank's failure waits for news of another rank's death
 
 
 class LearnerGroup:
@@ -35,4 +38,25 @@ class LearnerGroup:
     def call(self, phase: str, method: str, *args: Any) -> Any:
         """`method` on every rank, waited for (ray.call_timeout_s); rank 0's result."""
         _, calls = self.start(method, *args)
-        return gather(calls, phase, self.timeout_s, CALL_KEY)[0]
+        try:
+            return gather(calls, phase, self.timeout_s, CALL_KEY)[0]
+        except ActorFailed as failed:
+            raise _first_death(failed, calls, phase) from failed.__cause__
+
+
+def _first_death(failed: ActorFailed, calls: list[Call], phase: str) -> ActorFailed:
+    """When one rank dies, the others fail in their next collective (gloo: the connection closed), at about
+    the same moment: report the rank that died, the cause, rather than whichever failure arrived first."""
+    if failed.died:
+        return failed
+    others = [c for c in calls if c.index != failed.index]
+    ready, _ = ray.wait([c.ref for c in others], num_returns=len(others), timeout=DEATH_GRACE_S)
+    for call in others:
+        if call.ref in ready:
+            try:
+                ray.get(call.ref)
+            except ray.exceptions.RayActorError as err:
+                return ActorFailed(LEARNER, call.index, phase, err)
+            except ray.exceptions.RayTaskError:
+                continue
+    return failed

@@ -27,6 +27,7 @@ from visionrl.algo import aggregate, kl_penalty, masked_mean, policy_loss, rollo
 from visionrl.config import JobConfig
 from visionrl.data.images import ImageBudget
 from visionrl.errors import NonFiniteError
+from visionrl.files import atomic_write
 from visionrl.models.loader import (
     apply_lora,
     load_base_model,
@@ -448,11 +449,13 @@ class Learner:
         """The PEFT adapter files (full precision) in `path`. Every rank calls it (with FSDP the weights are
         gathered); only rank 0 writes, so ranks on one node or a shared file system never write one file twice."""
         path = Path(path)
-        payload = self.adapter_payload(for_engine=False)  # LoRA weights only, as peft's save_pretrained writes
+        payload = self.adapter_payload(
+            for_engine=False
+        )  # LoRA weights only, as peft's save_pretrained writes
         if self.ranks.rank == 0:
             path.mkdir(parents=True, exist_ok=True)
-            for name, data in payload.files.items():
-                (path / name).write_bytes(data)
+            for name, data in payload.files.items():  # a new file each: readers may hold the old one mapped
+                atomic_write(path / name, data)
         return path
 
     def adapter_payload(self, for_engine: bool = True) -> AdapterPayload:
