@@ -178,3 +178,32 @@ def test_two_engines_take_whole_groups_and_serve_every_adapter_version(
         [c.token_ids for c in g] for g in direct[0] + direct[1]
     ]
     assert versions == [0, 0, 0]
+
+
+def test_only_rank_0_writes_the_adapter_files(tiny_model: Path, color_data: Path, tmp_path: Path) -> None:
+    """`save_adapter` on rank 1 takes part (it builds the payload, a gather under FSDP) but writes nothing;
+    rank 0 writes exactly the payload's files, which peft's own loader reads."""
+    from peft import PeftModel
+
+    from visionrl.models.loader import load_base_model
+    from visionrl.train.learner import Learner
+    from visionrl.train.ranks import RankGroup
+
+    cfg = _cfg(tiny_model, color_data, tmp_path / "run")
+    with torch.no_grad():  # plain data parallel needs no process group for this: no collective is involved
+        learner = Learner(cfg, device="cpu", ranks=RankGroup(rank=1, world=2))
+        for name, p in learner.model.named_parameters():
+            if "lora_B" in name:
+                p.fill_(0.25)
+    learner.save_adapter(tmp_path / "rank1")
+    assert not (tmp_path / "rank1").exists()
+    learner.ranks = RankGroup(rank=0, world=2)
+    learner.save_adapter(tmp_path / "rank0")
+    payload = learner.adapter_payload(for_engine=False)
+    assert sorted(p.name for p in (tmp_path / "rank0").iterdir()) == sorted(payload.files)
+    for name, data in payload.files.items():
+        assert (tmp_path / "rank0" / name).read_bytes() == data
+    base = load_base_model(str(tiny_model), "float32", torch.device("cpu"), "sdpa")
+    model = PeftModel.from_pretrained(base, str(tmp_path / "rank0"))
+    b = [p for n, p in model.named_parameters() if "lora_B" in n]
+    assert b and all(bool((p == 0.25).all()) for p in b)

@@ -45,8 +45,8 @@ class LearnerGroup:
 
 
 def _first_death(failed: ActorFailed, calls: list[Call], phase: str) -> ActorFailed:
-    """When one rank dies, the others fail in their next collective (gloo: the connection closed), at about
-    the same moment: report the rank that died, the cause, rather than whichever failure arrived first."""
+    """When one rank dies, the others may fail in their next collective at about the same moment (their peer
+    is gone): report the rank that died, the cause, rather than whichever failure arrived first."""
     if failed.died:
         return failed
     others = [c for c in calls if c.index != failed.index]
