@@ -449,12 +449,11 @@ class Learner:
         """The PEFT adapter files (full precision) in `path`. Every rank calls it (with FSDP the weights are
         gathered); only rank 0 writes, so ranks on one node or a shared file system never write one file twice."""
         path = Path(path)
-        payload = self.adapter_payload(
-            for_engine=False
-        )  # LoRA weights only, as peft's save_pretrained writes
+        payload = self.adapter_payload(for_engine=False)  # the LoRA weights only, as peft would save them
         if self.ranks.rank == 0:
             path.mkdir(parents=True, exist_ok=True)
-            for name, data in payload.files.items():  # a new file each: readers may hold the old one mapped
+            # Each file replaced by a new one: a reader may still map the old (docs/ENGINE_NOTES.md).
+            for name, data in payload.files.items():
                 atomic_write(path / name, data)
         return path
 
