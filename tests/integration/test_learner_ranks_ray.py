@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -59,60 +60,60 @@ def _adapter(run: Path) -> dict[str, torch.Tensor]:
 def test_two_learner_ranks_train_the_adapter_one_learner_trains_and_resume(
     tiny_model: Path, color_data: Path, tmp_path: Path, length_reward: str
 ) -> None:
-    """Same seed, same rollouts (2 seeded engines in both runs): one step with 2 learner ranks and with 1 gives
-    the same adapter (float32, within 1e-5). The 2-rank run logs learner/ranks = 2, and resumes from its
-    checkpoint to a second step; its exported adapter loads into the base model with peft."""
+    """Same seed, same rollouts (2 seeded engines in every run): one step with 2 learner ranks, plain data
+    parallel and sharded with FSDP2 (`train.fsdp: on`, here on gloo), gives the adapter of one learner (float32,
+    within 1e-5), and logs learner/ranks = 2. The sharded run resumes from its checkpoint to a second step; its
+    exported adapter loads into the base model with peft."""
     from peft import PeftModel
 
     from visionrl.models.loader import load_base_model
     from visionrl.orchestrate.loop import train
 
-    two = train(
-        _cfg(
+    def run(name: str, learners: int, fsdp: str = "auto", steps: int = 1, resume: bool = False) -> Any:
+        cfg = _cfg(
             tiny_model,
             color_data,
-            tmp_path / "two",
+            tmp_path / name,
             length_reward,
-            ray={"num_learners": 2},
+            ray={"num_learners": learners},
             rollout={"num_engines": 2},
+            train={"fsdp": fsdp, "steps": steps},
         )
-    )
-    one = train(_cfg(tiny_model, color_data, tmp_path / "one", length_reward, rollout={"num_engines": 2}))
-    assert [h["learner/ranks"] for h in two.history] == [2.0]
-    assert [h["learner/ranks"] for h in one.history] == [1.0]
-    # the same rollouts: the reward of every completion (its length) is the same in both runs
-    assert two.history[0]["reward/mean"] == one.history[0]["reward/mean"] > 0
-    assert two.history[0]["reward/std"] == one.history[0]["reward/std"] > 0  # a signal to train on
-    a, b = _adapter(tmp_path / "two"), _adapter(tmp_path / "one")
-    assert a.keys() == b.keys() and any("lora_B" in k for k in a)
-    # B starts at zero: one Adam step moves each B entry by about lr (1e-4) where its gradient is not ~0
-    moved = max(a[k].abs().max().item() for k in a if "lora_B" in k)
-    assert moved > 5e-5
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-5)
-    for key in ("loss/policy", "loss/kl", "policy/grad_norm", "learner/tokens"):
-        assert two.history[0][key] == pytest.approx(one.history[0][key], rel=1e-5, abs=1e-7), key
+        return train(cfg, resume=resume)
 
-    resumed = train(
-        _cfg(
-            tiny_model,
-            color_data,
-            tmp_path / "two",
-            length_reward,
-            ray={"num_learners": 2},
-            rollout={"num_engines": 2},
-            train={"steps": 2},
-        ),
-        resume=True,
-    )
+    one, two, sharded = run("one", 1), run("two", 2), run("sharded", 2, "on")
+    assert [h["learner/ranks"] for h in (one.history + two.history + sharded.history)] == [1.0, 2.0, 2.0]
+    # the same rollouts: the reward of every completion (its length) is the same in every run
+    for other in (two, sharded):
+        assert other.history[0]["reward/mean"] == one.history[0]["reward/mean"] > 0
+        assert other.history[0]["reward/std"] == one.history[0]["reward/std"] > 0  # a signal to train on
+    a = _adapter(tmp_path / "one")
+    assert any("lora_B" in k for k in a)
+    # B starts at zero: one Adam step moves each B entry by about lr (1e-4) where its gradient is not ~0
+    assert max(a[k].abs().max().item() for k in a if "lora_B" in k) > 5e-5
+    for name, other in (("two", two), ("sharded", sharded)):
+        b = _adapter(tmp_path / name)
+        assert b.keys() == a.keys()
+        for k in a:
+            torch.testing.assert_close(
+                b[k], a[k], rtol=0, atol=1e-5, msg=lambda m, k=k, n=name: f"{n} {k}: {m}"
+            )
+        for key in ("loss/policy", "loss/kl", "policy/grad_norm", "learner/tokens"):
+            assert other.history[0][key] == pytest.approx(one.history[0][key], rel=1e-5, abs=1e-7), (
+                name,
+                key,
+            )
+
+    step1 = _adapter(tmp_path / "sharded")
+    resumed = run("sharded", 2, "on", steps=2, resume=True)
     assert [h["step"] for h in resumed.history] == [2]
     assert resumed.history[0]["learner/ranks"] == 2.0
     assert resumed.history[0]["rollout/adapter_version"] == 1.0  # step 2 sampled the adapter of step 1
-    assert (tmp_path / "two" / "checkpoints" / "step_2" / "checkpoint.json").is_file()
-    final = _adapter(tmp_path / "two")
-    assert max((final[k] - a[k]).abs().max().item() for k in a) > 0  # step 2 trained on
+    assert (tmp_path / "sharded" / "checkpoints" / "step_2" / "checkpoint.json").is_file()
+    final = _adapter(tmp_path / "sharded")
+    assert max((final[k] - step1[k]).abs().max().item() for k in final) > 0  # step 2 trained on
     base = load_base_model(str(tiny_model), "float32", torch.device("cpu"), "sdpa")
-    model = PeftModel.from_pretrained(base, str(tmp_path / "two" / "adapter"))
+    model = PeftModel.from_pretrained(base, str(tmp_path / "sharded" / "adapter"))
     loaded = {n.replace(".default", ""): p.detach() for n, p in model.named_parameters() if "lora_" in n}
     assert len(loaded) == len(final)
     for name, weight in final.items():

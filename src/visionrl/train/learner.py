@@ -285,6 +285,11 @@ class Learner:
             lp = lp.cpu()
             for b, row in enumerate(mb.rows):
                 out[row] = lp[b]
+        if not adapter:
+            # peft's disable_adapter turns requires_grad off and back on, but under FSDP2 not for the root unit's
+            # parameters (the merger's LoRA), which would silently stop training: the optimizer's are all trained.
+            for p in [p for group in self.optimizer.param_groups for p in group["params"]]:
+                p.requires_grad_(True)
         return out
 
     def _correction(
