@@ -1,6 +1,7 @@
 """What the loop calls: the prompt stream (data side) and `Workers`, the fan-out over Ray actors.
 
-`Workers` hides how many engines and reward workers there are: prompts are split evenly over engines,
+`Workers` hides how many learner ranks, engines and reward workers there are: every learner call goes to all
+ranks (`orchestrate.learners`), prompts are split evenly over engines (each prompt's group on one engine),
 completions over reward workers, and every adapter version is put in the object store once and loaded by all
 engines.
 """
