@@ -3,6 +3,7 @@ tiny model, HF engines (seeded, so a run's rollouts repeat exactly), gloo ranks 
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -141,7 +142,7 @@ def test_an_error_in_one_learner_ranks_setup_names_the_rank(
 
 
 def test_two_engines_take_whole_groups_and_serve_every_adapter_version(
-    tiny_model: Path, color_data: Path, tmp_path: Path
+    tiny_model: Path, color_data: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """`Workers.rollout` gives engine 0 the first half of the prompts and engine 1 the rest, each prompt's n
     completions from one engine: the same groups as asking each engine for its half directly (same seeds). The
@@ -152,6 +153,7 @@ def test_two_engines_take_whole_groups_and_serve_every_adapter_version(
     from visionrl.orchestrate.workers import PromptStream, Workers, _engine_spec
     from visionrl.types import SamplingSpec
 
+    caplog.set_level(logging.INFO, logger="visionrl")
     cfg = _cfg(tiny_model, color_data, tmp_path / "run", rollout={"num_engines": 2})
     prompts = PromptStream(cfg).probe_prompts(3)
     spec = SamplingSpec(n=2, temperature=1.0, max_tokens=3, seed=7)
@@ -179,6 +181,13 @@ def test_two_engines_take_whole_groups_and_serve_every_adapter_version(
         [c.token_ids for c in g] for g in direct[0] + direct[1]
     ]
     assert versions == [0, 0, 0]
+    # one start-up line: the plan (CPU: nothing reserved), then where each learner rank and engine runs
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("placement ")]
+    assert line.startswith(
+        "placement colocated, 0 bundle(s): learner 0 -> own resources, engine 0 -> own resources, "
+        "engine 1 -> own resources; running: learner 0 {'node': "
+    ), line
+    assert "; engine 0 {'node': " in line and "; engine 1 {'node': " in line and "'gpus': []" in line
 
 
 def test_only_rank_0_writes_the_adapter_files(tiny_model: Path, color_data: Path, tmp_path: Path) -> None:

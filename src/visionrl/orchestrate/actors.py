@@ -285,7 +285,7 @@ def start_actors(cfg: JobConfig) -> tuple[list[Any], list[Any], list[Any]]:
     ]
     places = gather(calls, "start-up", timeout, key, interruptible=True)
     logger.info(
-        "placement (%s): %s",
+        "placement %s; running: %s",
         plan.describe(),
         "; ".join(
             [f"learner {i} {p}" for i, p in enumerate(places[:world])]
