@@ -42,10 +42,10 @@ SECTIONS = {
     "lora": ["rank", "alpha", "dropout", "target_modules", "train_merger"],
     "data": ["train", "eval", "on_bad_image", "max_eval_samples"],
     "algorithm": ["group_size", "clip_low", "clip_high", "dual_clip", "loss", "updates_per_batch", "overlong_buffer"],
-    "rollout": ["prompts_per_step", "temperature", "max_new_tokens", "max_model_len", "engine"],
-    "train": ["steps", "lr", "betas", "max_grad_norm", "on_nonfinite", "max_consecutive_skips", "target_accuracy"],
+    "rollout": ["prompts_per_step", "temperature", "max_new_tokens", "max_model_len", "engine", "num_engines", "gpus_per_engine"],
+    "train": ["steps", "lr", "betas", "max_grad_norm", "on_nonfinite", "max_consecutive_skips", "target_accuracy", "fsdp"],
     "logging": ["eval_every", "save_every", "keep_checkpoints"],
-    "ray": ["address", "placement", "num_cpus", "reward_timeout_s"],
+    "ray": ["address", "placement", "num_cpus", "reward_timeout_s", "num_learners", "learner_gpus"],
 }  # fmt: skip
 MINIMAL: dict[str, Any] = {
     "output_dir": "runs/x",

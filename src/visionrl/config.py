@@ -18,6 +18,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from visionrl.config_algorithm import AlgorithmConfig
 from visionrl.config_yaml import ConfigError, Section, UniqueKeyLoader, apply_overrides
 from visionrl.data.images import DEFAULT_MAX_IMAGES, DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS
+from visionrl.orchestrate.placement import plan_placement
 from visionrl.rewards.registry import RewardConfigError, RewardSpec, resolve_reward
 
 # Default LoRA targets: the language model's projections only (never the vision blocks, whose
@@ -213,6 +214,12 @@ class TrainConfig(Section):
         description="Encode each distinct image of a learner micro-batch once (a group's completions share "
         "their prompt's images) instead of once per completion.",
     )
+    fsdp: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Shard base model and LoRA over the learner ranks with FSDP2. auto: when the learner runs on "
+        "CUDA and ray.num_learners > 1, else plain data parallel (whole model per rank, gradients all-reduced); "
+        "on: FSDP2 also for one rank; off: never.",
+    )
     seed: int = Field(0, description="Seed of data order, sampling and LoRA init.")
     torch_threads: int | None = Field(
         None, ge=1, description="Learner torch threads (CPU); default: torch's."
@@ -258,10 +265,18 @@ class RayConfig(Section):
     )
     placement: Literal["colocated", "split"] = Field(
         "colocated",
-        description="colocated: learner and engines share GPUs; split: engines get their own GPUs.",
+        description="colocated: learner rank i and engine i share GPU i; split: learner ranks and engines get "
+        "GPUs of their own. Without GPUs everything runs on the local node(s), nothing reserved.",
     )
     num_cpus: int | None = Field(None, ge=1, description="CPUs of the embedded local Ray (default: all).")
-    learner_gpus: float = Field(0.0, ge=0.0, description="GPUs of the learner actor (0 on CPU).")
+    learner_gpus: float = Field(0.0, ge=0.0, description="GPUs of each learner rank's actor (0 on CPU).")
+    num_learners: int = Field(
+        1,
+        ge=1,
+        description="Learner ranks: one Ray actor each, a torch.distributed group (nccl on GPUs, gloo on CPUs) "
+        "that splits each step's sequences by tokens and sums the gradients (train.fsdp: sharded on GPUs). "
+        "ray.placement=colocated on GPUs pairs rank i with engine i on GPU i (rollout.num_engines = this).",
+    )
     num_reward_workers: int = Field(1, ge=1, description="Reward worker actors.")
     reward_timeout_s: float = Field(
         10.0, gt=0.0, description="Per-sample reward timeout; over it scores 0, counted."
@@ -375,12 +390,10 @@ class JobConfig(Section):
         return self
 
     @model_validator(mode="after")
-    def validate_split_placement_has_gpus(self) -> JobConfig:
-        if self.ray.placement == "split" and self.rollout.gpus_per_engine == 0 and self.ray.learner_gpus == 0:
-            raise ValueError(
-                "ray.placement=split places rollout engines and the learner on different GPUs, but no GPUs are "
-                "requested; set rollout.gpus_per_engine and ray.learner_gpus, or use ray.placement=colocated"
-            )
+    def validate_placement(self) -> JobConfig:
+        # The combinations that cannot be placed (visionrl.orchestrate.placement says why).
+        r, ro = self.ray, self.rollout
+        plan_placement(r.placement, r.num_learners, r.learner_gpus, ro.num_engines, ro.gpus_per_engine)
         return self
 
     @model_validator(mode="after")

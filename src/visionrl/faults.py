@@ -22,7 +22,8 @@ FAULTS = {
     "generate call",
     "kill_reward_worker": "once: reward worker 0 exits on its 2nd score call",
     "hang_reward_worker": "once: reward worker 0 blocks forever (a reward holding the GIL) on its 2nd score call",
-    "kill_learner": "the learner exits during its 2nd train_step",
+    "kill_learner": "the learner (rank 0) exits during its 2nd train_step",
+    "fail_learner_setup": "learner rank 1 raises in its setup (joining the group and loading the model)",
     "nonfinite_loss": "every learner update computes a NaN loss (and so NaN gradients), as a diverged run does",
 }
 AT_CALL = 2  # the faulty actors misbehave on this call of theirs (the first one shows the run was healthy)

@@ -68,6 +68,7 @@ LEARNER_SEQUENCE_TOKENS = (
 )
 LEARNER_OLD_LOGPROB_S = "learner/old_logprob_s"  # the no-grad pass for mini-batches after the first
 LEARNER_REF_LOGPROB_S = "learner/ref_logprob_s"  # the no-grad reference (adapter off) pass, with kl_coef > 0
+LEARNER_RANKS = "learner/ranks"  # learner ranks the step was split over (ray.num_learners)
 LEARNER_PEAK_MEM = "learner/peak_mem_gib"  # the learner's torch allocator peak during the step (GPUs)
 TRUNCATED_MASKED = "response/truncated_masked"  # completions left out of the loss (algorithm.mask_truncated)
 OVERLONG_PENALIZED = "response/overlong_penalized"  # completions the overlong shaping penalised

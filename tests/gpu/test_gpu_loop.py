@@ -12,7 +12,8 @@ from visionrl.config import config_from_dict
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-def test_colocated_loop_on_one_gpu(tiny_model: Path, color_data: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("fsdp", ["auto", "on"])  # on: the learner rank's actor shards with FSDP2 over nccl
+def test_colocated_loop_on_one_gpu(tiny_model: Path, color_data: Path, tmp_path: Path, fsdp: str) -> None:
     from visionrl.metrics import read_scalars
     from visionrl.orchestrate.loop import train
 
@@ -29,13 +30,14 @@ def test_colocated_loop_on_one_gpu(tiny_model: Path, color_data: Path, tmp_path:
             "lora": {"rank": 16, "train_merger": True, "train_lm_head": True},
             "algorithm": {"group_size": 4},
             "rollout": {"engine": "hf", "prompts_per_step": 8, "max_new_tokens": 4, "gpus_per_engine": 0.5},
-            "train": {"steps": 3, "lr": 1e-3},
+            "train": {"steps": 3, "lr": 1e-3, "fsdp": fsdp},
             "logging": {"eval_every": 3},
             "ray": {"placement": "colocated", "learner_gpus": 0.5},
         }
     )
     result = train(cfg)
     assert [h["rollout/adapter_version"] for h in result.history] == [0.0, 1.0, 2.0]
+    assert [h["learner/ranks"] for h in result.history] == [1.0, 1.0, 1.0]
     scalars = read_scalars(tmp_path / "run" / "tensorboard")
     assert len(scalars["policy/grad_norm"]) == 3
     assert (result.adapter_dir / "visionrl_manifest.json").is_file()
@@ -79,7 +81,7 @@ def test_placement_of_learner_and_engine(
         }
     )
     with ray_session(cfg.ray):
-        learner, engines, _ = start_actors(cfg)
-        places = ray.get([learner.placement.remote(), engines[0].placement.remote()])
+        learners, engines, _ = start_actors(cfg)
+        places = ray.get([learners[0].placement.remote(), engines[0].placement.remote()])
     assert len(places[0]["gpus"]) == 1 and len(places[1]["gpus"]) == 1
     assert (places[0]["gpus"] == places[1]["gpus"]) is same_gpu, places

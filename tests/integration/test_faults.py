@@ -111,17 +111,19 @@ def test_without_restarts_a_dead_engine_stops_the_run_naming_it(
     assert [h["step"] for h in _history(tmp_path / "run")] == [1]
 
 
+@pytest.mark.parametrize("num_learners", [1, 2])
 def test_a_dead_learner_stops_the_run_with_the_checkpoint_hint(
-    tiny_model: Path, color_data: Path, tmp_path: Path, inject
+    tiny_model: Path, color_data: Path, tmp_path: Path, inject, num_learners: int
 ) -> None:
-    """The learner holds the optimizer state: it is never restarted, the run stops at once (restarts left)."""
+    """The learner holds the optimizer state: it is never restarted, the run stops at once (restarts left).
+    With 2 ranks, rank 0 dies and rank 1 fails in the next collective: the dead rank is the one named."""
     from visionrl.orchestrate.loop import train
 
     inject("kill_learner")
     with pytest.raises(RunError) as err:
-        train(_cfg(tiny_model, color_data, tmp_path / "run"))
+        train(_cfg(tiny_model, color_data, tmp_path / "run", ray={"num_learners": num_learners}))
     text = str(err.value)
-    assert text.startswith("the learner 0 died during update")
+    assert text.startswith("the learner 0 died during update"), text
     assert "step_1" in text and "--resume" in text
 
 

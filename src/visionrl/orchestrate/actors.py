@@ -1,10 +1,9 @@
 """Ray actors (thin wrappers of the plain classes) and their placement, plus the embedded Ray session.
 
-Actors: one learner, `rollout.num_engines` rollout engines, `ray.num_reward_workers` reward workers.
-Placement:
-- CPU only: everything on the local node; actors take no CPU reservation so 2 cores can host them all.
-- colocated (GPUs): each engine shares a GPU bundle with the learner (fractional GPUs in one placement group).
-- split (GPUs): engines and learner get their own GPUs.
+Actors: `ray.num_learners` learner ranks, `rollout.num_engines` rollout engines, `ray.num_reward_workers`
+reward workers; none takes a CPU reservation, so 2 cores can host them all. Where they go is planned by
+`orchestrate.placement` (CPU only: the local node(s); colocated: learner rank i and engine i on GPU i; split:
+GPUs of their own) and applied here.
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ from visionrl import faults
 from visionrl.config import JobConfig, RayConfig
 from visionrl.data.images import ImageBudget
 from visionrl.errors import out_of_memory
+from visionrl.orchestrate.placement import PlacementPlan, plan_placement
 from visionrl.orchestrate.remote import ENGINE, LEARNER, REWARD, Call, gather
 from visionrl.rewards import RewardSpec, build_reward_fn
 from visionrl.rollout.factory import make_engine
@@ -90,22 +90,47 @@ def _memory_guard(actor: str, phase: str, cfg: JobConfig) -> Iterator[None]:
 
 @ray.remote
 class LearnerActor:
-    def __init__(self, cfg: JobConfig) -> None:
-        from visionrl.train.learner import Learner
+    """Learner rank `rank` of `world`. The model is loaded in `setup`, once the driver knows rank 0's address:
+    every rank must join the group before any of them builds its (possibly sharded) model."""
 
-        self.cfg, self.calls = cfg, 0
-        with _memory_guard("learner", "loading the model", cfg):
-            self.learner = Learner(cfg)
+    def __init__(self, cfg: JobConfig, rank: int = 0, world: int = 1) -> None:
+        self.cfg, self.rank, self.world, self.calls = cfg, rank, world, 0
+        self.learner: Any = None
+
+    def address(self) -> str:
+        """Where the group meets (asked of rank 0): a free port of this node."""
+        from visionrl.train.ranks import free_address
+
+        return free_address(ray.util.get_node_ip_address())
+
+    def setup(self, address: str) -> list[int]:
+        """Join the learners' group (nccl where this actor sees a GPU, else gloo) and load the model; returns
+        the vision token ids the engines must never sample."""
+        import torch
+
+        from visionrl.train.learner import Learner
+        from visionrl.train.ranks import join, use_fsdp
+
+        if self.rank == 1 and faults.active("fail_learner_setup"):
+            raise RuntimeError("injected fault fail_learner_setup: this learner rank could not start")
+        cuda = torch.cuda.is_available()
+        fsdp = use_fsdp(self.cfg.train.fsdp, cuda, self.world)
+        # Every later collective is inside one remote call, whose deadline is ray.call_timeout_s.
+        timeout = max(self.cfg.ray.startup_timeout_s, self.cfg.ray.call_timeout_s)
+        ranks = join(self.rank, self.world, address, "nccl" if cuda else "gloo", fsdp=fsdp, timeout_s=timeout)
+        with _memory_guard("learner", "loading the model", self.cfg):
+            self.learner = Learner(self.cfg, ranks=ranks)
+        return self.learner.forbidden.tolist()
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """`method` of the Learner. Every rank runs it (with several ranks it holds collectives); rank 0 speaks
+        for the group, the others return None (their results are equal or partial, never needed)."""
         if method == "train_step":
             self.calls += 1
-            faults.at_call("kill_learner", 0, self.calls)
+            faults.at_call("kill_learner", self.rank, self.calls)
         with _memory_guard("learner", method, self.cfg):
-            return getattr(self.learner, method)(*args, **kwargs)
-
-    def forbidden_token_ids(self) -> list[int]:
-        return self.learner.forbidden.tolist()
+            out = getattr(self.learner, method)(*args, **kwargs)
+        return out if self.rank == 0 else None
 
     def placement(self) -> dict[str, Any]:
         return _placement()
@@ -210,45 +235,61 @@ def _start_reward_worker(cfg: JobConfig, index: int) -> Any:
     return RewardActor.options(**opts).remote(reward_specs(cfg), cfg.ray, index)  # type: ignore[attr-defined]
 
 
-def start_actors(cfg: JobConfig) -> tuple[Any, list[Any], list[Any]]:
-    """Create learner, engines and reward workers with the configured placement; each must start within
-    ray.startup_timeout_s (a failure or a hang names the actor)."""
-    use_gpu = cfg.ray.learner_gpus > 0 or cfg.rollout.gpus_per_engine > 0
-    learner_opts: dict[str, Any] = {"num_cpus": 0, "num_gpus": cfg.ray.learner_gpus}
+def _scheduling(cfg: JobConfig, plan: PlacementPlan) -> tuple[list[dict], list[dict]]:
+    """Ray options of each learner rank and each engine for `plan` (reserving its placement group)."""
+    learner_opts: list[dict[str, Any]] = [
+        {"num_cpus": 0, "num_gpus": cfg.ray.learner_gpus} for _ in range(cfg.ray.num_learners)
+    ]
     engine_opts = _engine_options(cfg)
-    if use_gpu and cfg.ray.placement == "colocated":
+    if plan.bundles:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        # One GPU bundle holds the learner's and the first engine's share.
-        share = cfg.ray.learner_gpus + cfg.rollout.gpus_per_engine
-        pg = placement_group([{"GPU": max(1.0, share), "CPU": 0.001}])
+        pg = placement_group(plan.bundles)
         ray.get(pg.ready())
-        strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=0)
-        learner_opts["scheduling_strategy"] = strategy
-        engine_opts[0]["scheduling_strategy"] = strategy
-    if use_gpu and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
+        pairs = [*zip(learner_opts, plan.learners, strict=True), *zip(engine_opts, plan.engines, strict=True)]
+        for opts, bundle in pairs:
+            if bundle is not None:
+                opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=bundle
+                )
+    if cfg.ray.learner_gpus > 0 and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
         # Expandable segments: the learner's activations change size every micro-batch, and fixed segments
         # fragment. Learner only: vLLM's sleep mode refuses them in the engine's process.
-        learner_opts["runtime_env"] = {"env_vars": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}}
-    learner = LearnerActor.options(**learner_opts).remote(cfg)  # type: ignore[attr-defined]
-    timeout, key = cfg.ray.startup_timeout_s, "ray.startup_timeout_s"
-    forbidden = gather(
-        [Call(learner.forbidden_token_ids.remote(), LEARNER, 0)], "start-up", timeout, key, interruptible=True
-    )[0]
+        for opts in learner_opts:
+            opts["runtime_env"] = {"env_vars": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}}
+    return learner_opts, engine_opts
+
+
+def start_actors(cfg: JobConfig) -> tuple[list[Any], list[Any], list[Any]]:
+    """Create the learner ranks, engines and reward workers with the configured placement; each must start
+    within ray.startup_timeout_s (a failure or a hang names the actor, a learner by its rank)."""
+    r = cfg.ray
+    plan = plan_placement(
+        r.placement, r.num_learners, r.learner_gpus, cfg.rollout.num_engines, cfg.rollout.gpus_per_engine
+    )
+    learner_opts, engine_opts = _scheduling(cfg, plan)
+    world = len(learner_opts)
+    learners = [LearnerActor.options(**o).remote(cfg, i, world) for i, o in enumerate(learner_opts)]  # type: ignore[attr-defined]
+    timeout, key = r.startup_timeout_s, "ray.startup_timeout_s"
+    address = gather([Call(learners[0].address.remote(), LEARNER, 0)], "start-up", timeout, key, True)[0]
+    setups = [Call(a.setup.remote(address), LEARNER, i) for i, a in enumerate(learners)]  # all join at once
+    forbidden = gather(setups, "start-up", timeout, key, interruptible=True)[0]
     engines = [_start_engine(cfg, i, forbidden, opts) for i, opts in enumerate(engine_opts)]
-    rewards = [_start_reward_worker(cfg, i) for i in range(cfg.ray.num_reward_workers)]
+    rewards = [_start_reward_worker(cfg, i) for i in range(r.num_reward_workers)]
     # Fail early, with the actor's own error, if any of them cannot start; say where each one runs.
     calls = [
-        Call(learner.placement.remote(), LEARNER, 0),
+        *[Call(a.placement.remote(), LEARNER, i) for i, a in enumerate(learners)],
         *[Call(e.placement.remote(), ENGINE, i) for i, e in enumerate(engines)],
         *[Call(w.placement.remote(), REWARD, i) for i, w in enumerate(rewards)],
     ]
     places = gather(calls, "start-up", timeout, key, interruptible=True)
     logger.info(
-        "placement (%s): learner %s; %s",
-        cfg.ray.placement,
-        places[0],
-        "; ".join(f"engine {i} {p}" for i, p in enumerate(places[1 : 1 + len(engines)])),
+        "placement %s; running: %s",
+        plan.describe(),
+        "; ".join(
+            [f"learner {i} {p}" for i, p in enumerate(places[:world])]
+            + [f"engine {i} {p}" for i, p in enumerate(places[world : world + len(engines)])]
+        ),
     )
-    return learner, engines, rewards
+    return learners, engines, rewards

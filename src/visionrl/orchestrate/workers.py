@@ -1,6 +1,7 @@
 """What the loop calls: the prompt stream (data side) and `Workers`, the fan-out over Ray actors.
 
-`Workers` hides how many engines and reward workers there are: prompts are split evenly over engines,
+`Workers` hides how many learner ranks, engines and reward workers there are: every learner call goes to all
+ranks (`orchestrate.learners`), prompts are split evenly over engines (each prompt's group on one engine),
 completions over reward workers, and every adapter version is put in the object store once and loaded by all
 engines.
 """
@@ -27,6 +28,7 @@ from visionrl.data.prompts import build_prompt
 from visionrl.data.sampler import draw_samples
 from visionrl.errors import RunError
 from visionrl.models.loader import load_processor
+from visionrl.orchestrate.learners import CALL_KEY, LearnerGroup
 from visionrl.orchestrate.remote import (
     ENGINE,
     LEARNER,
@@ -148,17 +150,15 @@ def reward_deadline_s(cfg: JobConfig, completions: int) -> float:
     return margin + calls * cfg.ray.reward_timeout_s
 
 
-CALL_KEY = "ray.call_timeout_s"
-
-
 class Workers:
     """The loop's view of the actors. Every remote call has a deadline (`remote.gather`); a rollout engine or
     reward worker that dies or hangs is restarted (at most ray.max_actor_restarts times in the run), an
     engine gets the current adapter again (verified), and the call is retried; anything else raises
     `ActorProblem`, which the loop reports with the checkpoint to resume from."""
 
-    def __init__(self, learner: Any, engines: list[Any], rewards: list[Any], cfg: JobConfig) -> None:
-        self.learner, self.engines, self.rewards, self.cfg = learner, engines, rewards, cfg
+    def __init__(self, learners: list[Any], engines: list[Any], rewards: list[Any], cfg: JobConfig) -> None:
+        self.learners = LearnerGroup(learners, cfg.ray.call_timeout_s)  # the ranks, called as one learner
+        self.engines, self.rewards, self.cfg = engines, rewards, cfg
         self._eval_reward: CombinedReward | None = None
         self.restarts = 0
 
@@ -166,7 +166,7 @@ class Workers:
         return gather(calls, phase, self.cfg.ray.call_timeout_s, CALL_KEY, interruptible)
 
     def _learner(self, phase: str, method: str, *args: Any) -> Any:
-        return self._get([Call(self.learner.call.remote(method, *args), LEARNER, 0)], phase)[0]
+        return self.learners.call(phase, method, *args)
 
     def _recovering(self, attempt: Callable[[], T]) -> T:
         """`attempt()`, retried after restarting an engine or reward worker that died or hung in it."""
@@ -218,10 +218,12 @@ class Workers:
     def _resync(self, index: int) -> None:
         """A restarted engine must apply adapters of this run's layout and serve the learner's version."""
         engine, call = self.engines[index], lambda ref: Call(ref, ENGINE, index)
-        probe = self.learner.call.remote("probe_payload")
-        change = self._get([call(engine.probe.remote(probe, self._probe_prompts))], "the adapter probe")[0]
-        payload = self.learner.call.remote("adapter_payload")
-        version = self._get([call(engine.load_adapter.remote(payload))], "sync")[0]
+        probe, ranks = self.learners.start("probe_payload")
+        change = self._get(
+            [call(engine.probe.remote(probe, self._probe_prompts)), *ranks], "the adapter probe"
+        )[0]
+        payload, ranks = self.learners.start("adapter_payload")
+        version = self._get([call(engine.load_adapter.remote(payload)), *ranks], "sync")[0]
         want = self._get([Call(payload, LEARNER, 0)], "sync")[0].version
         if change < PROBE_MIN_CHANGE or version != want:
             raise RunError(
@@ -250,9 +252,9 @@ class Workers:
         """Every engine must change its output when given a non-zero adapter of this run's layout, else the run
         would train an adapter that rollouts never use. Returns each engine's largest log-prob change."""
         self._probe_prompts = prompts  # kept: a restarted engine is probed again
-        probe = self.learner.call.remote("probe_payload")
+        probe, ranks = self.learners.start("probe_payload")
         calls = [Call(e.probe.remote(probe, prompts), ENGINE, i) for i, e in enumerate(self.engines)]
-        changes = self._get(calls, "the adapter probe", True)
+        changes = self._get([*calls, *ranks], "the adapter probe", True)[: len(calls)]
         dead = [i for i, c in enumerate(changes) if c < PROBE_MIN_CHANGE]
         if dead:
             raise RunError(
@@ -296,7 +298,8 @@ class Workers:
         if sleep:
             self._get([Call(e.sleep.remote(), ENGINE, i) for i, e in engines], "update (engine sleep)")
         t1 = time.perf_counter()
-        stats = self._learner("update", "train_step", batch)
+        stats = self._learner("update", "train_step", batch)  # metrics summed over the ranks already
+        stats[tags.LEARNER_RANKS] = float(len(self.learners))
         t2 = time.perf_counter()
         if sleep:
             self._get([Call(e.wake_up.remote(), ENGINE, i) for i, e in engines], "update (engine wake-up)")
@@ -307,9 +310,10 @@ class Workers:
     # 6. sync
     def sync_adapter(self) -> int:
         def attempt() -> int:
-            payload = self.learner.call.remote("adapter_payload")  # resolved once in the object store
+            # rank 0's payload, resolved once in the object store; every rank takes part in building it
+            payload, ranks = self.learners.start("adapter_payload")
             calls = [Call(e.load_adapter.remote(payload), ENGINE, i) for i, e in enumerate(self.engines)]
-            versions = self._get(calls, "sync")
+            versions = self._get([*calls, *ranks], "sync")[: len(calls)]
             if len(set(versions)) != 1:
                 raise RunError(f"engines serve different adapter versions after sync: {versions}")
             return int(versions[0])
@@ -396,7 +400,7 @@ class Workers:
             gather(calls, "shutdown", 60.0, "(shutdown)")
         except ActorProblem as problem:  # the run's work is saved: a failing close only costs a warning
             logger.warning("%s", problem)
-        for actor in [self.learner, *self.engines, *self.rewards]:
+        for actor in [*self.learners.actors, *self.engines, *self.rewards]:
             ray.kill(actor)
 
 

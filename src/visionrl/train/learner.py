@@ -27,6 +27,7 @@ from visionrl.algo import aggregate, kl_penalty, masked_mean, policy_loss, rollo
 from visionrl.config import JobConfig
 from visionrl.data.images import ImageBudget
 from visionrl.errors import NonFiniteError
+from visionrl.files import atomic_write
 from visionrl.models.loader import (
     apply_lora,
     load_base_model,
@@ -284,6 +285,11 @@ class Learner:
             lp = lp.cpu()
             for b, row in enumerate(mb.rows):
                 out[row] = lp[b]
+        if not adapter:
+            # peft's disable_adapter turns requires_grad off and back on, but under FSDP2 not for the root unit's
+            # parameters (the merger's LoRA), which would silently stop training: the optimizer's are all trained.
+            for p in [p for group in self.optimizer.param_groups for p in group["params"]]:
+                p.requires_grad_(True)
         return out
 
     def _correction(
@@ -445,10 +451,15 @@ class Learner:
 
     # ------------------------------------------------------------------ adapter out
     def save_adapter(self, path: str | Path) -> Path:
+        """The PEFT adapter files (full precision) in `path`. Every rank calls it (with FSDP the weights are
+        gathered); only rank 0 writes, so ranks on one node or a shared file system never write one file twice."""
         path = Path(path)
-        # With LoRA on lm_head peft would also save the (frozen, unchanged) base lm_head: 1.2 GB for an 8B model,
-        # on every sync. The adapter is the LoRA weights only.
-        self.model.save_pretrained(str(path), save_embedding_layers=False)
+        payload = self.adapter_payload(for_engine=False)  # the LoRA weights only, as peft would save them
+        if self.ranks.rank == 0:
+            path.mkdir(parents=True, exist_ok=True)
+            # Each file replaced by a new one: a reader may still map the old (docs/ENGINE_NOTES.md).
+            for name, data in payload.files.items():
+                atomic_write(path / name, data)
         return path
 
     def adapter_payload(self, for_engine: bool = True) -> AdapterPayload:

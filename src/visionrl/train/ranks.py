@@ -112,6 +112,12 @@ def join(
     return RankGroup(rank=rank, world=world, fsdp=fsdp)
 
 
+def use_fsdp(mode: str, cuda: bool, world: int) -> bool:
+    """`train.fsdp`: "on" always, "off" never, "auto" for several ranks on CUDA (on CPUs plain data parallel:
+    FSDP2 there only saves memory a CPU box has, at the cost of a gather per layer)."""
+    return mode == "on" or (mode == "auto" and cuda and world > 1)
+
+
 def is_sharded(t: torch.Tensor) -> bool:
     from torch.distributed.tensor import DTensor
 
