@@ -66,7 +66,7 @@ class LocalCluster:
         else:
             cmd += [f"--address={self.address}"]
         env = {**os.environ, **RAY_ENV}
-        log = open(self.tmp / f"node-{index}.log", "wb")  # open for the node's life; closed by stop()
+        log = open(self.tmp / f"node-{index}.log", "ab")  # open for the node's life; closed by stop()
         self.logs.append(log)
         # A session of its own: every process this node starts can be found (and, if one outlives the drain,
         # stopped) by its process group, without touching any other Ray on the machine.
@@ -77,14 +77,28 @@ class LocalCluster:
     def __enter__(self) -> LocalCluster:
         try:
             for i, spec in enumerate(self.nodes):
-                self._start(i, spec)
-                if i == 0:
-                    self._wait_for(1)
-            self._wait_for(len(self.nodes))
+                self._start_node(i, spec)
         except BaseException:
             self.stop()
+            shutil.rmtree(self.tmp, ignore_errors=True)
             raise
         return self
+
+    def _start_node(self, index: int, spec: dict[str, Any], attempts: int = 3) -> None:
+        """One node at a time, each up before the next: `ray start` gives a node 30 s to register with the GCS
+        (fixed in Ray), which a loaded 2-core machine can miss; a node that missed it is started again."""
+        for attempt in range(attempts):
+            self._start(index, spec)
+            try:
+                self._wait_for(index + 1)
+                return
+            except RuntimeError:
+                if attempt == attempts - 1:
+                    raise
+                failed = self.procs.pop()
+                failed.wait()
+                self.groups.pop()
+                self.logs.pop().close()
 
     def alive_nodes(self) -> int:
         """Nodes the cluster's GCS lists as alive (asked by a short-lived process, so this one stays clean)."""
@@ -101,7 +115,7 @@ class LocalCluster:
     def _wait_for(self, n: int) -> None:
         deadline = time.monotonic() + self.timeout
         while time.monotonic() < deadline:
-            dead = [i for i, p in enumerate(self.procs) if p.poll() is not None]
+            dead = [i for i, p in enumerate(self.procs) if p.poll() is not None]  # ray start exited
             if dead:
                 raise RuntimeError(f"ray start of node(s) {dead} exited: see {self.tmp}/node-*.log")
             if self.alive_nodes() >= n:
