@@ -25,8 +25,10 @@ from visionrl.data.layouts import Layout
 from visionrl.data.lengths import fit_to_engine
 from visionrl.data.prompts import build_prompt
 from visionrl.data.sampler import draw_samples
-from visionrl.errors import RunError
+from visionrl.errors import RunError, StorageError, storage_errors
+from visionrl.files import atomic_write
 from visionrl.models.loader import load_processor
+from visionrl.orchestrate.failures import resume_hint
 from visionrl.orchestrate.remote import (
     ENGINE,
     LEARNER,
@@ -371,20 +373,34 @@ class Workers:
 
     # end of run
     def export_final(self, run: Path, accuracy: float | None) -> Path:
-        from visionrl.adapter.manifest import build_manifest, write_manifest
+        """Write the run's adapter (the learner's, full precision, as in checkpoints) and its manifest, last. The
+        driver writes it, as it writes checkpoints, so it lands in output_dir whichever node the learner is on. A
+        full or unwritable disk: StorageError with the checkpoint to continue from (which exports again)."""
+        from visionrl.adapter.manifest import MANIFEST_NAME, build_manifest, write_manifest
         from visionrl.adapter.storage import filesystem
 
         adapter_dir = RunDir(run).adapter
-        self._learner("export", "save_adapter", str(adapter_dir))
-        eval_results = {"accuracy": accuracy} if accuracy is not None else None
-        manifest = build_manifest(
-            adapter_dir,
-            base_model=self.cfg.model.path,
-            job_config=self.cfg.model_dump(mode="json"),
-            eval_results=eval_results,
-        )
-        # Written last and atomically: a reader that finds the manifest finds a complete adapter.
-        write_manifest(*filesystem(adapter_dir), manifest)
+        files = self._learner("export", "adapter_payload", False).files
+        try:
+            kept = "No manifest was written, so no reader takes this export."
+            with storage_errors(adapter_dir, sum(len(data) for data in files.values()), kept=kept):
+                adapter_dir.mkdir(parents=True, exist_ok=True)
+                (adapter_dir / MANIFEST_NAME).unlink(
+                    missing_ok=True
+                )  # an old manifest never vouches for new files
+                for name, data in files.items():
+                    atomic_write(adapter_dir / name, data)
+            eval_results = {"accuracy": accuracy} if accuracy is not None else None
+            manifest = build_manifest(
+                adapter_dir,
+                base_model=self.cfg.model.path,
+                job_config=self.cfg.model_dump(mode="json"),
+                eval_results=eval_results,
+            )
+            # Written last and atomically: a reader that finds the manifest finds a complete adapter.
+            write_manifest(*filesystem(adapter_dir), manifest)
+        except StorageError as err:
+            raise StorageError(f"{err}\n{resume_hint(run)}") from None
         return adapter_dir
 
     def close(self) -> None:
