@@ -83,7 +83,7 @@ MISMATCH_KL = "rollout/mismatch_kl"  # KL estimate between the engine's and the 
 ENGINE_SLEEP = "timing/engine_sleep_s"  # rollout.sleep_during_update: putting the engines to sleep
 ENGINE_WAKE = "timing/engine_wake_s"  # ... and waking them before the sync
 ACTOR_RESTARTS = (
-    "faults/actor_restarts"  # engines and reward workers restarted in this run (ray.max_actor_restarts)
+    "faults/actor_restarts"  # engines and reward workers restarted so far in the run, resumes included
 )
 SKIPPED_UPDATES = "faults/skipped_updates"  # learner updates not applied: non-finite loss or gradient
 DATA_SKIPPED_AT_LOAD = "data/skipped_at_load"  # training records dropped for a bad image when the data loaded

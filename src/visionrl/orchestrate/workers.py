@@ -151,13 +151,14 @@ def reward_deadline_s(cfg: JobConfig, completions: int) -> float:
 
 
 CALL_KEY = "ray.call_timeout_s"
+ACTOR_RESTARTS_KEY = "actor_restarts"  # in a checkpoint's extra: the restarts the run had used by then
 
 
 class Workers:
     """The loop's view of the actors. Every remote call has a deadline (`remote.gather`); a rollout engine or
-    reward worker that dies or hangs is restarted (at most ray.max_actor_restarts times in the run), an
-    engine gets the current adapter again (verified), and the call is retried; anything else raises
-    `ActorProblem`, which the loop reports with the checkpoint to resume from."""
+    reward worker that dies or hangs is restarted (at most ray.max_actor_restarts times in the run, resumes
+    included: checkpoints carry the count), an engine gets the current adapter again (verified), and the call
+    is retried; anything else raises `ActorProblem`, which the loop reports with the checkpoint to resume from."""
 
     def __init__(self, learner: Any, engines: list[Any], rewards: list[Any], cfg: JobConfig) -> None:
         self.learner, self.engines, self.rewards, self.cfg = learner, engines, rewards, cfg
@@ -356,7 +357,12 @@ class Workers:
             trainer_state=state["trainer_state"],
             sampler_state=sampler_state if sampler_state is not None else prompts.sampler.state_dict(),
             # the settings it was trained with: a resume compares them (orchestrate.resume)
-            extra={"adapter_version": payload.version, "config": self.cfg.model_dump(mode="json")},
+            # the restarts used so far: ray.max_actor_restarts bounds the run, resumes included
+            extra={
+                "adapter_version": payload.version,
+                "config": self.cfg.model_dump(mode="json"),
+                ACTOR_RESTARTS_KEY: self.restarts,
+            },
             keep=self.cfg.logging.keep_checkpoints,
         )
 
@@ -367,8 +373,11 @@ class Workers:
         ckpt = load_checkpoint(path)
         self._learner("resume", "load_state", str(ckpt.adapter_dir), ckpt.trainer_state)
         prompts.sampler.load_state_dict(ckpt.sampler_state)
+        # checkpoints written before the count was kept: none counted
+        self.restarts = int(ckpt.extra.get(ACTOR_RESTARTS_KEY, 0))
         self.sync_adapter()
-        logger.info("resumed from %s (step %d)", path, ckpt.step)
+        used = f"{self.restarts} of ray.max_actor_restarts={self.cfg.ray.max_actor_restarts}"
+        logger.info("resumed from %s (step %d; actor restarts used: %s)", path, ckpt.step, used)
         return ckpt.step
 
     # end of run
