@@ -47,6 +47,7 @@ from visionrl.types import Completion, PromptItem, SamplingSpec
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+ACTOR_RESTARTS_KEY = "actor_restarts"  # in a checkpoint's extra: the restarts the run had used by then
 
 
 class PromptStream:
@@ -151,7 +152,6 @@ def reward_deadline_s(cfg: JobConfig, completions: int) -> float:
 
 
 CALL_KEY = "ray.call_timeout_s"
-ACTOR_RESTARTS_KEY = "actor_restarts"  # in a checkpoint's extra: the restarts the run had used by then
 
 
 class Workers:
