@@ -269,8 +269,8 @@ class MetricsWriter:
 
 def _quiet_writer_threads() -> None:
     """TensorBoard's writer thread re-raises a failed write (a full disk) to end itself, and Python prints that
-    traceback; the error reaches the user once, as the StorageError of the writer's next call. Other threads'
-    exceptions are printed as before."""
+    traceback (docs/ENGINE_NOTES.md); the error reaches the user once, as the StorageError of the writer's next
+    call. Other threads' exceptions are printed as before."""
     shown = threading.excepthook
     if getattr(shown, "visionrl", False):
         return
