@@ -163,8 +163,10 @@ class MetricsWriter:
         add_event = file_writer.add_event
 
         def counted(event: Any, step: int | None = None, walltime: float | None = None) -> None:
-            add_event(event, step, walltime)
-            self._pending += event.ByteSize() + 16
+            try:
+                add_event(event, step, walltime)  # sets the event's step and time, then queues it
+            finally:  # also an event refused because an earlier write failed: it did not fit either
+                self._pending += event.ByteSize() + 16
 
         file_writer.add_event = counted
         return writer
