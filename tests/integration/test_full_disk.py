@@ -66,7 +66,7 @@ def test_a_full_disk_at_the_final_adapter_keeps_the_checkpoint_and_resume_export
     assert f"error: the disk is full: writing {run / 'adapter'} needs {needed:,} bytes, " in err, err
     assert "No manifest was written, so no reader takes this export. To fix: free space there" in err
     assert f"the newest checkpoint is {ckpt}; continue with `visionrl train CONFIG --resume auto`" in err
-    assert "Traceback" not in err
+    assert "Exception in thread" not in err and "[Errno" not in err  # no raw OSError, no thread dump
     assert not (run / "adapter" / "visionrl_manifest.json").exists()
 
     (run / "adapter").unlink()  # room again
@@ -137,7 +137,7 @@ def test_a_disk_filling_under_tensorboard_mid_run_stops_with_the_checkpoint_to_c
     ), err
     assert "The events written before are intact" in err and "To fix: free space there" in err
     assert f"the newest checkpoint is {ckpt}; continue with `visionrl train CONFIG --resume auto`" in err
-    assert "Traceback" not in err
+    assert "Exception in thread" not in err and "[Errno" not in err  # no raw OSError, no thread dump
     assert _steps(run) == [1, 2]  # step 2's line was appended before its TensorBoard write failed
 
     (disk / "filler").unlink()  # room again (the reward fills it once)
