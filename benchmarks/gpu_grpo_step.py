@@ -287,7 +287,9 @@ def merge(report: dict[str, Any], earlier: dict[str, Any]) -> None:
         sizes = {r["size"] for r in report[key]}
         rows = earlier.get(key) if isinstance(earlier.get(key), list) else []
         report[key] = [r for r in rows if r["size"] not in sizes] + report[key]
-        superseded += [{**r, "table": key, "file_date": earlier.get("date")} for r in rows if r["size"] in sizes]
+        superseded += [
+            {**r, "table": key, "file_date": earlier.get("date")} for r in rows if r["size"] in sizes
+        ]
     for key, value in earlier.items():
         report.setdefault(key, value)
     if superseded:

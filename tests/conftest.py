@@ -67,11 +67,13 @@ def color_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def small_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    """A factory `small_disk(size_bytes) -> folder` on which writes past `size_bytes` fail with ENOSPC.
+    """A factory `small_disk(size_bytes, read_only=False, real=False) -> folder` on which writes past `size_bytes`
+    fail with ENOSPC (every write with EROFS when `read_only`).
 
     A real tmpfs of that size where this process may mount one (root in a container); elsewhere a disk
     stood in at visionrl's one write call (`visionrl.files._write_fd`, i.e. os.write), which raises
-    OSError(ENOSPC) once the folder's budget is spent. Unmounted at the end of the test.
+    OSError(ENOSPC) once the folder's budget is spent. `real=True` skips the test where no tmpfs can be mounted
+    (writes of other libraries, e.g. TensorBoard's, do not pass the stand-in). Unmounted at the end of the test.
     """
     import errno
     import subprocess
@@ -80,12 +82,13 @@ def small_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 
     mounted: list[Path] = []
 
-    def make(size_bytes: int) -> Path:
+    def make(size_bytes: int, read_only: bool = False, real: bool = False) -> Path:
         folder = tmp_path / f"disk{len(mounted)}"
         folder.mkdir()
+        options = f"size={size_bytes}" + (",ro" if read_only else "")
         try:
             done = subprocess.run(
-                ["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(folder)],
+                ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)],
                 capture_output=True,
                 check=False,
             ).returncode
@@ -94,16 +97,19 @@ def small_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
         if done == 0:
             mounted.append(folder)
             return folder
-        left = [size_bytes]
-        real = files._write_fd
+        if real:
+            pytest.skip("this process may not mount a tmpfs (a real small disk); run as root in a container")
+        left = [0 if read_only else size_bytes]
+        code = errno.EROFS if read_only else errno.ENOSPC
+        real_write = files._write_fd
 
         def write(fd: int, data: memoryview) -> int:
             if not os.readlink(f"/proc/self/fd/{fd}").startswith(str(folder)):
-                return real(fd, data)
+                return real_write(fd, data)
             if len(data) > left[0]:
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                raise OSError(code, os.strerror(code))
             left[0] -= len(data)
-            return real(fd, data)
+            return real_write(fd, data)
 
         monkeypatch.setattr(files, "_write_fd", write)
         return folder

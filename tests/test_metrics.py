@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import logging
+import re
 from pathlib import Path
 
 import numpy as np
@@ -322,3 +323,45 @@ def test_purge_from_hides_the_steps_a_resumed_run_writes_again(tmp_path: Path) -
         for step in (3, 4):
             tb.scalars(step, {"reward/mean": step})
     assert read_scalars(tmp_path)["reward/mean"] == [(1, 0.25), (2, 0.5), (3, 3.0), (4, 4.0)]
+
+
+def test_a_full_disk_under_tensorboard_names_the_folder_and_the_bytes(
+    small_disk, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """TensorBoard writes on its own thread (the stand-in disk of `small_disk` cannot reach it: a real tmpfs).
+    Steps of 20 scalars until the 16 KiB disk is full: StorageError naming the folder, the bytes of the step that
+    did not fit and the bytes free; every step before it reads back whole; no thread traceback is printed."""
+    from visionrl.errors import StorageError
+
+    folder = small_disk(16 * 1024, real=True) / "tensorboard"
+    values = {f"a/{i}": 1.0 for i in range(20)}
+    written = 0
+    with pytest.raises(StorageError) as err, MetricsWriter(folder) as tb:
+        for step in range(1, 1000):  # about 830 bytes a step: the disk is full after about 19 steps
+            tb.scalars(step, values)
+            tb.flush()
+            written = step
+    # One scalar event: wall_time (1 + 8 bytes) + step < 128 (1 + 1) + summary (1 + 1 + Summary); Summary: one
+    # value (1 + 1 + Value); Value: tag "a/0" (1 + 1 + 3) + simple_value float (1 + 4) = 10; so 12, 14, and the
+    # event 25 bytes; a record adds length (8) + 2 CRCs (4 + 4): 41 bytes, 42 for the 4-letter tags a/10..a/19.
+    # A whole step: 10 x 41 + 10 x 42 = 830 bytes; its first k scalars: 41 k (k <= 10), 410 + 42 (k - 10).
+    prefixes = {41 * k for k in range(1, 11)} | {410 + 42 * k for k in range(1, 11)}
+    text = str(err.value)
+    where = re.escape(str(folder))
+    found = re.match(
+        rf"the disk is full: writing {where} needs ([\d,]+) bytes, [\d,]+ bytes free there", text
+    )
+    assert found and int(found.group(1).replace(",", "")) in prefixes, text
+    assert "The events written before are intact" in text and "To fix: free space there" in text
+    assert 5 < written < 999
+    scalars = read_scalars(folder)
+    assert all([s for s, _ in scalars[tag]][:written] == list(range(1, written + 1)) for tag in values)
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_read_only_tensorboard_folder_is_a_clear_error(small_disk) -> None:
+    from visionrl.errors import StorageError
+
+    folder = small_disk(64 * 1024, read_only=True, real=True) / "tensorboard"
+    with pytest.raises(StorageError, match=r"tensorboard cannot be written \(Read-only file system\)\. "):
+        MetricsWriter(folder)

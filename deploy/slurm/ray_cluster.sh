@@ -35,8 +35,11 @@ mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
 head=${nodes[0]}
 head_ip=${VISIONRL_RAY_HEAD_IP:-$(srun --nodes=1 --ntasks=1 -w "$head" hostname --ip-address | awk '{print $1}')}
 address="$head_ip:$port"
-cpus=()
-[[ -n ${SLURM_CPUS_ON_NODE:-} ]] && cpus=(--num-cpus="$SLURM_CPUS_ON_NODE")
+# Each node offers Ray what Slurm gave the job there (the GPUs are those Ray would find through
+# CUDA_VISIBLE_DEVICES), so one learner rank per GPU fits across the nodes.
+resources=()
+[[ -n ${SLURM_CPUS_ON_NODE:-} ]] && resources=(--num-cpus="$SLURM_CPUS_ON_NODE")
+[[ -n ${SLURM_GPUS_ON_NODE:-} ]] && resources+=(--num-gpus="$SLURM_GPUS_ON_NODE")
 # Token authentication with one token for the whole job: srun passes the environment to every node, and only
 # processes of this job (and user) can read it.
 export RAY_AUTH_MODE=token
@@ -62,11 +65,11 @@ trap 'forward INT 2' INT
 echo "[ray_cluster] head $head ($address), ${#nodes[@]} node(s): ${nodes[*]}"
 srun --nodes=1 --ntasks=1 -w "$head" "$RAY" start --head --block --node-ip-address="$head_ip" --port="$port" \
   --ray-client-server-port=$((port + 1)) --include-dashboard=false --disable-usage-stats --temp-dir="$tmp" \
-  "${cpus[@]}" &
+  "${resources[@]}" &
 steps+=($!)
 for node in "${nodes[@]:1}"; do
   srun --nodes=1 --ntasks=1 -w "$node" "$RAY" start --block --address="$address" --disable-usage-stats \
-    --temp-dir="$tmp" "${cpus[@]}" &
+    --temp-dir="$tmp" "${resources[@]}" &
   steps+=($!)
 done
 

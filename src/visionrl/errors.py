@@ -86,8 +86,11 @@ class Preempted(RunError):
         return 128 + self.signum
 
 
-def storage_error(err: OSError, path: str | os.PathLike[str], needed: int, kept: str = "") -> StorageError:
-    """The StorageError for `err` raised while writing `needed` bytes to `path`: what, how much, what to do."""
+def storage_error(
+    err: OSError, path: str | os.PathLike[str], needed: int | None, kept: str = ""
+) -> StorageError:
+    """The StorageError for `err` raised while writing `needed` bytes (None: not known) to `path`: what, how
+    much, what to do."""
     where = Path(path)
     free = ""
     for parent in (where, *where.parents):
@@ -95,21 +98,22 @@ def storage_error(err: OSError, path: str | os.PathLike[str], needed: int, kept:
             free = f", {shutil.disk_usage(parent).free:,} bytes free there"
             break
     if err.errno in (errno.ENOSPC, errno.EDQUOT):
-        why = f"the disk is full: writing {where} needs {needed:,} bytes{free}"
+        need = f"needs {needed:,} bytes" if needed is not None else "failed"
+        why = f"the disk is full: writing {where} {need}{free}"
         fix = "free space there, or point output_dir at a larger disk"
     elif err.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-        why = (
-            f"{where} cannot be written ({os.strerror(err.errno or 0)}); {needed:,} bytes were to be written"
-        )
+        why = f"{where} cannot be written ({os.strerror(err.errno or 0)})"
+        if needed is not None:
+            why += f"; {needed:,} bytes were to be written"
         fix = "give the run write access there, or choose another output_dir"
     else:
-        why = f"writing {needed:,} bytes to {where} failed: {err.strerror or err}"
+        why = f"writing {f'{needed:,} bytes to ' if needed is not None else ''}{where} failed: {err.strerror or err}"
         fix = "check the storage"
     return StorageError(f"{why}. {kept + ' ' if kept else ''}To fix: {fix}.")
 
 
 @contextlib.contextmanager
-def storage_errors(path: str | os.PathLike[str], needed: int, kept: str = "") -> Iterator[None]:
+def storage_errors(path: str | os.PathLike[str], needed: int | None, kept: str = "") -> Iterator[None]:
     """Turn an OSError of the writes inside (a full disk, a read-only mount) into `storage_error`'s StorageError."""
     try:
         yield

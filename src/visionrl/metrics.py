@@ -4,15 +4,18 @@ All tag strings used anywhere in the project live in this module, so a dashboard
 benchmark can import the name instead of retyping it. `MetricsWriter` writes scalars, histograms,
 a picture grid of a few rollouts and a Markdown table of them (drawn by `visionrl.pictures`); `read_scalars` / `read_tags` read an
 event directory back with TensorBoard's own reader. `Progress` prints training progress to the console.
+A full or unwritable disk under the event files is a `visionrl.errors.StorageError` naming the folder and the bytes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
+import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TextIO
@@ -23,7 +26,9 @@ from PIL import Image
 if TYPE_CHECKING:
     import torch
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
 
+from visionrl.errors import storage_error
 from visionrl.pictures import RolloutSample, render_rollout_grid, samples_markdown
 
 logger = logging.getLogger(__name__)
@@ -79,7 +84,7 @@ MISMATCH_KL = "rollout/mismatch_kl"  # KL estimate between the engine's and the 
 ENGINE_SLEEP = "timing/engine_sleep_s"  # rollout.sleep_during_update: putting the engines to sleep
 ENGINE_WAKE = "timing/engine_wake_s"  # ... and waking them before the sync
 ACTOR_RESTARTS = (
-    "faults/actor_restarts"  # engines and reward workers restarted in this run (ray.max_actor_restarts)
+    "faults/actor_restarts"  # engines and reward workers restarted so far in the run, resumes included
 )
 SKIPPED_UPDATES = "faults/skipped_updates"  # learner updates not applied: non-finite loss or gradient
 DATA_SKIPPED_AT_LOAD = "data/skipped_at_load"  # training records dropped for a bad image when the data loaded
@@ -137,26 +142,61 @@ class MetricsWriter:
     """
 
     def __init__(self, log_dir: str | os.PathLike[str]) -> None:
+        self.log_dir = Path(log_dir)
+        self._pending = (
+            0  # bytes of the events handed to the writer since the last flush that reached the disk
+        )
+        self._failed = (
+            False  # a write failed: the writer's thread has ended, and closing it would raise again
+        )
+        with self._storage():
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            self._writer = self._open()
+
+    def _open(self, purge_step: int | None = None) -> SummaryWriter:
         from torch.utils.tensorboard import SummaryWriter  # heavy: imports torch
 
-        self.log_dir = Path(log_dir)
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        self._writer = SummaryWriter(log_dir=str(self.log_dir))
+        _quiet_writer_threads()
+        writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=purge_step)
+        # Count the bytes of every event as it goes to the event file (a record frames it with 16 bytes), so a
+        # full disk can be reported with what did not fit.
+        file_writer: Any = writer.file_writer  # torch declares it Optional; the constructor opened it
+        add_event = file_writer.add_event
+
+        def counted(event: Any, step: int | None = None, walltime: float | None = None) -> None:
+            try:
+                add_event(event, step, walltime)  # sets the event's step and time, then queues it
+            finally:  # also an event refused because an earlier write failed: it did not fit either
+                self._pending += event.ByteSize() + 16
+
+        file_writer.add_event = counted
+        return writer
+
+    @contextlib.contextmanager
+    def _storage(self) -> Iterator[None]:
+        """A write that fails (a full disk, a read-only mount): StorageError naming the folder and the bytes. The
+        event file is written by TensorBoard's background thread; its error comes up at the next call here."""
+        try:
+            yield
+        except OSError as err:
+            self._failed = True
+            kept = f"The events written before are intact in {self.log_dir}."
+            raise storage_error(err, self.log_dir, self._pending or None, kept=kept) from None
 
     def purge_from(self, step: int) -> None:
         """Hide every event of `step` and later already in `log_dir` (a resumed run re-runs those steps): TensorBoard
         then shows each step once, the new value. Call before writing anything for `step`."""
-        from torch.utils.tensorboard import SummaryWriter
-
         # The purge marker is written when a writer opens its event file, so a new writer (new file) carries it.
-        self._writer.close()
-        self._writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=step)
+        with self._storage():
+            self._writer.close()
+            self._writer = self._open(purge_step=step)
 
     def scalars(self, step: int, values: Mapping[str, float | None]) -> None:
         """Write each value of `values` under its tag; None means "not measured this step" and is skipped."""
-        for tag, value in values.items():
-            if value is not None:
-                self._writer.add_scalar(tag, float(value), global_step=step)
+        with self._storage():
+            for tag, value in values.items():
+                if value is not None:
+                    self._writer.add_scalar(tag, float(value), global_step=step)
 
     def histogram(self, step: int, tag: str, values: Sequence[float] | np.ndarray | torch.Tensor) -> bool:
         """Write a histogram of the finite `values`; returns False (and warns) when none is left to write."""
@@ -171,13 +211,15 @@ class MetricsWriter:
         if finite.size == 0:
             logger.warning("histogram %s step %d: no finite values, nothing written", tag, step)
             return False
-        self._writer.add_histogram(tag, finite, global_step=step)
+        with self._storage():
+            self._writer.add_histogram(tag, finite, global_step=step)
         return True
 
     def image(self, step: int, tag: str, picture: Image.Image) -> None:
         """Write a PIL picture (converted to RGB, HWC uint8)."""
         array = np.asarray(picture.convert("RGB"), dtype=np.uint8)
-        self._writer.add_image(tag, array, global_step=step, dataformats="HWC")
+        with self._storage():
+            self._writer.add_image(tag, array, global_step=step, dataformats="HWC")
 
     def rollout_images(
         self, step: int, samples: Sequence[RolloutSample], cols: int = 4, cell: int = 192
@@ -199,7 +241,8 @@ class MetricsWriter:
 
     def text(self, step: int, tag: str, markdown: str) -> None:
         """Write Markdown text (shown by TensorBoard's Text tab)."""
-        self._writer.add_text(tag, markdown, global_step=step)
+        with self._storage():
+            self._writer.add_text(tag, markdown, global_step=step)
 
     def rollout_table(self, step: int, samples: Sequence[RolloutSample]) -> None:
         """Write the Markdown table of `samples` under SAMPLES_TABLE."""
@@ -208,11 +251,15 @@ class MetricsWriter:
 
     def flush(self) -> None:
         """Push buffered events to disk, so a reader sees them now."""
-        self._writer.flush()
+        with self._storage():
+            self._writer.flush()
+        self._pending = 0
 
     def close(self) -> None:
-        """Flush and close the event file."""
-        self._writer.close()
+        """Flush and close the event file (after a failed write: nothing is left to flush)."""
+        if not self._failed:
+            with self._storage():
+                self._writer.close()
 
     def __enter__(self) -> MetricsWriter:
         return self
@@ -221,6 +268,24 @@ class MetricsWriter:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+def _quiet_writer_threads() -> None:
+    """TensorBoard's writer thread re-raises a failed write (a full disk) to end itself, and Python prints that
+    traceback (docs/ENGINE_NOTES.md); the error reaches the user once, as the StorageError of the writer's next
+    call. Other threads' exceptions are printed as before."""
+    shown = threading.excepthook
+    if getattr(shown, "visionrl", False):
+        return
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if type(args.thread).__name__ == "_AsyncWriterThread" and issubclass(args.exc_type, OSError):
+            logger.debug("TensorBoard's writer thread ended: %s", args.exc_value)
+            return
+        shown(args)
+
+    hook.visionrl = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
 
 
 # ---------------------------------------------------------------- reader

@@ -1,8 +1,9 @@
-"""Deployment recipes: the Slurm (HyperPod) launcher against a fake one-node Slurm, the KubeRay job, the image.
+"""Deployment recipes: the Slurm (HyperPod) launcher against a fake Slurm of one and of two nodes.
 
-The launcher test is real apart from Slurm itself: `srun`/`scontrol` are small stand-ins that run commands on
-this machine (each srun step in its own process group, ended like Slurm ends a step), the Ray cluster is real,
-and the command it runs is a real `visionrl train` that attaches through RAY_ADDRESS.
+The launcher tests are real apart from Slurm itself: `srun`/`scontrol` are small stand-ins that run commands on
+this machine (each srun step in its own process group, ended like Slurm ends a step, every node of the fake
+allocation being this machine) and the Ray cluster is real. On one node the command is a real `visionrl train`
+that attaches through RAY_ADDRESS; on two nodes a stand-in `visionrl` reports its arguments and the cluster.
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 FAKE_SRUN = """#!/usr/bin/env bash
-# Stand-in for srun: drop srun's options, run the command here in its own process group; on TERM/INT end the
-# whole group, as Slurm ends the processes of a job step.
-while [[ $# -gt 0 && $1 == -* ]]; do case $1 in -w|-N|-n) shift 2;; *) shift;; esac; done
+# Stand-in for srun: drop srun's options, log the node (-w) and the command to $FAKE_SLURM_LOG, run the command
+# here in its own process group; on TERM/INT end the whole group, as Slurm ends the processes of a job step.
+node=""
+while [[ $# -gt 0 && $1 == -* ]]; do case $1 in -w) node=$2; shift 2;; -N|-n) shift 2;; *) shift;; esac; done
+echo "$node $*" >> "$FAKE_SLURM_LOG"
 setsid "$@" & child=$!
 echo "$child" >> "$FAKE_SLURM_PGIDS"
 trap 'kill -TERM -$child 2>/dev/null; sleep 2; kill -KILL -$child 2>/dev/null; exit 0' TERM INT
@@ -59,8 +62,9 @@ def _kill_groups(pgid_file: Path) -> None:
             pass
 
 
-def _fake_slurm(tmp_path: Path, ray_tmp: str) -> dict[str, str]:
-    """The environment of a one-node fake Slurm allocation (srun/scontrol stand-ins on PATH)."""
+def _fake_slurm(tmp_path: Path, ray_tmp: str, nodes: str = "localhost") -> dict[str, str]:
+    """The environment of a fake Slurm allocation of `nodes` (srun/scontrol stand-ins on PATH; every node is
+    this machine)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
@@ -72,7 +76,9 @@ def _fake_slurm(tmp_path: Path, ray_tmp: str) -> dict[str, str]:
         **os.environ,
         "PATH": f"{bin_dir}:{venv_bin}:{os.environ['PATH']}",
         "FAKE_SLURM_PGIDS": str(pgids),
-        "SLURM_JOB_NODELIST": "localhost",
+        "FAKE_SLURM_LOG": str(tmp_path / "srun.log"),
+        "SLURM_JOB_NODELIST": nodes,
+        "SLURM_JOB_NUM_NODES": str(len(nodes.split(","))),
         "SLURM_JOB_ID": "4242",
         "VISIONRL_RAY_HEAD_IP": "127.0.0.1",
         "VISIONRL_RAY_PORT": str(_free_port_pair()),
@@ -155,6 +161,62 @@ def test_slurm_launcher_passes_sigterm_on_and_keeps_ray_until_visionrl_has_check
     finally:
         if proc.poll() is None:
             proc.kill()
+        _kill_groups(pgids)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+FAKE_VISIONRL = """#!{python}
+# Stand-in for `visionrl`: what the head node would run, and the Ray cluster it finds through RAY_ADDRESS.
+import json, os, sys
+
+import ray
+
+ray.init(address=os.environ["RAY_ADDRESS"], logging_level="ERROR", log_to_driver=False)
+nodes = [node for node in ray.nodes() if node["Alive"]]
+seen = {{"argv": sys.argv[1:], "gpus": sorted(node["Resources"].get("GPU", 0) for node in nodes)}}
+ray.shutdown()
+with open(os.environ["FAKE_VISIONRL_OUT"], "w") as f:
+    json.dump(seen, f)
+"""
+
+
+@pytest.mark.slow
+def test_sbatch_on_two_nodes_starts_a_ray_node_on_each_and_one_learner_rank_per_gpu(tmp_path: Path) -> None:
+    """`visionrl.sbatch` in a fake allocation of 2 nodes x 2 GPUs: srun starts the Ray head on the first node
+    and a worker joining it on the second, each offering its 2 GPUs; the head runs `visionrl train` with
+    ray.num_learners=4 (2 x 2) on the cluster of both nodes; nothing of Ray is left running."""
+    import json
+
+    ray_tmp = tempfile.mkdtemp(prefix="vrl-slurm-", dir="/tmp")
+    env, pgids = _fake_slurm(tmp_path, ray_tmp, nodes="vrl-a,vrl-b"), tmp_path / "pgids"
+    (tmp_path / "bin" / "visionrl").write_text(FAKE_VISIONRL.format(python=sys.executable))
+    (tmp_path / "bin" / "visionrl").chmod(0o755)
+    seen_file = tmp_path / "visionrl.json"
+    env |= {
+        "FAKE_VISIONRL_OUT": str(seen_file),
+        "SLURM_GPUS_ON_NODE": "2",
+        "SLURM_CPUS_ON_NODE": "1",
+        "SLURM_SUBMIT_DIR": str(REPO),
+        "VISIONRL_VENV": str(tmp_path / "no-venv"),  # the stand-in visionrl on PATH, not the venv's
+    }
+    job = str(REPO / "configs" / "demo.yaml")
+    cmd = ["bash", str(REPO / "deploy" / "slurm" / "visionrl.sbatch"), job, "train.steps=3"]
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 0, out[-3000:]
+        assert "2/2 node(s) joined" in out
+        port = env["VISIONRL_RAY_PORT"]
+        head, worker = (tmp_path / "srun.log").read_text().splitlines()
+        assert head.startswith(f"vrl-a ray start --head --block --node-ip-address=127.0.0.1 --port={port} ")
+        assert worker.startswith(f"vrl-b ray start --block --address=127.0.0.1:{port} ")
+        assert head.endswith(" --num-cpus=1 --num-gpus=2") and worker.endswith(" --num-cpus=1 --num-gpus=2")
+        seen = json.loads(seen_file.read_text())
+        assert seen["argv"] == ["train", job, "train.steps=3", "ray.num_learners=4", "--resume", "auto"]
+        assert seen["gpus"] == [2.0, 2.0]  # the cluster spans both nodes, with their GPUs
+        alive = subprocess.run(["pgrep", "-f", ray_tmp], capture_output=True, text=True).stdout.split()
+        assert not alive, f"Ray processes left running: {alive}"
+    finally:
         _kill_groups(pgids)
         shutil.rmtree(ray_tmp, ignore_errors=True)
 

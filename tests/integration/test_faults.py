@@ -111,6 +111,39 @@ def test_without_restarts_a_dead_engine_stops_the_run_naming_it(
     assert [h["step"] for h in _history(tmp_path / "run")] == [1]
 
 
+def test_restarts_used_before_a_resume_count_against_the_limit(
+    tiny_model: Path, color_data: Path, tmp_path: Path, inject, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ray.max_actor_restarts bounds the whole run, resumes included. Run 1 (2 steps, limit 1): engine 0 dies on
+    its 2nd generate call (step 2) and is restarted, 1 of 1 used, recorded in step 2's checkpoint. The resumed run
+    (4 steps) starts with 1 used; its engine dies on its own 2nd call (step 4) and the run stops there. (With
+    the count back at 0 after the resume, as before, it would restart the engine and finish.)"""
+    from visionrl.checkpoint import latest_checkpoint, load_checkpoint
+    from visionrl.orchestrate.loop import train
+
+    run = tmp_path / "run"
+    inject("kill_engine")
+    train(_cfg(tiny_model, color_data, run, train={"steps": 2}, ray={"max_actor_restarts": 1}))
+    assert [h["faults/actor_restarts"] for h in _history(run)] == [0.0, 1.0]
+    assert load_checkpoint(latest_checkpoint(run)).extra["actor_restarts"] == 1
+
+    again = tmp_path / "faults-resumed"  # the fault fires once per folder: arm it again for the resumed run
+    again.mkdir()
+    monkeypatch.setenv("VISIONRL_FAULTS_DIR", str(again))
+    with pytest.raises(RunError) as err:
+        train(
+            _cfg(tiny_model, color_data, run, train={"steps": 4}, ray={"max_actor_restarts": 1}), resume=True
+        )
+    assert (again / "kill_engine.fired").is_file(), "the engine never died in the resumed run"
+    text = str(err.value)
+    assert text.startswith("the rollout engine 0 died during rollout"), text
+    assert "(restarted 1 of ray.max_actor_restarts=1 times)" in text
+    history = _history(run)
+    assert [h["step"] for h in history] == [1, 2, 3]
+    assert [h["faults/actor_restarts"] for h in history] == [0.0, 1.0, 1.0]  # step 3 counts run 1's restart
+    assert "actor restarts used: 1 of ray.max_actor_restarts=1" in (run / "visionrl.log").read_text()
+
+
 @pytest.mark.parametrize("num_learners", [1, 2])
 def test_a_dead_learner_stops_the_run_with_the_checkpoint_hint(
     tiny_model: Path, color_data: Path, tmp_path: Path, inject, num_learners: int

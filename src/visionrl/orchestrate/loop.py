@@ -18,12 +18,12 @@ from visionrl import history as history_file
 from visionrl import metrics as tags
 from visionrl.algo import group_advantages, group_stats, groups_with_signal, overlong_penalty
 from visionrl.config import JobConfig, dump_config
-from visionrl.errors import Preempted, RunError, storage_errors
+from visionrl.errors import Preempted, RunError, StorageError, storage_errors
 from visionrl.files import atomic_write
 from visionrl.metrics import MetricsWriter, Progress
 from visionrl.orchestrate import preemption
 from visionrl.orchestrate.actors import ray_session, start_actors
-from visionrl.orchestrate.failures import run_error, run_log, stopped
+from visionrl.orchestrate.failures import resume_hint, run_error, run_log, stopped
 from visionrl.orchestrate.health import RunHealth
 from visionrl.orchestrate.preemption import stop_on_signals
 from visionrl.orchestrate.remote import ActorProblem, first_line
@@ -405,12 +405,15 @@ def _log(
 ) -> None:
     m[tags.THROUGHPUT] = m[tags.RESPONSE_TOKENS] / max(m[tags.TIMING_STEP], 1e-9)
     history_file.append(run.history, {"step": step, **m})  # every step: a killed run keeps its history
-    if step % cfg.logging.log_every == 0:
-        tb.scalars(step, m)
-        tb.histogram(step, tags.REWARD_HIST, rewards)
-        tb.histogram(step, tags.LENGTH_HIST, [len(c.token_ids) for g in completions for c in g])
-    if step % cfg.logging.images_every == 0 or step == 1:
-        samples = rollout_samples(prompts, completions, scores.total, cfg.logging.num_images)
-        tb.rollout_images(step, samples)
-        tb.rollout_table(step, samples)
-    tb.flush()
+    try:
+        if step % cfg.logging.log_every == 0:
+            tb.scalars(step, m)
+            tb.histogram(step, tags.REWARD_HIST, rewards)
+            tb.histogram(step, tags.LENGTH_HIST, [len(c.token_ids) for g in completions for c in g])
+        if step % cfg.logging.images_every == 0 or step == 1:
+            samples = rollout_samples(prompts, completions, scores.total, cfg.logging.num_images)
+            tb.rollout_images(step, samples)
+            tb.rollout_table(step, samples)
+        tb.flush()
+    except StorageError as err:  # TensorBoard's disk is full: this step is not checkpointed, say what is
+        raise StorageError(f"{err}\n{resume_hint(run.root)}") from None

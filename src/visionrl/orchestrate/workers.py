@@ -26,8 +26,10 @@ from visionrl.data.layouts import Layout
 from visionrl.data.lengths import fit_to_engine
 from visionrl.data.prompts import build_prompt
 from visionrl.data.sampler import draw_samples
-from visionrl.errors import RunError
+from visionrl.errors import RunError, StorageError, storage_errors
+from visionrl.files import atomic_write
 from visionrl.models.loader import load_processor
+from visionrl.orchestrate.failures import resume_hint
 from visionrl.orchestrate.learners import CALL_KEY, LearnerGroup
 from visionrl.orchestrate.remote import (
     ENGINE,
@@ -47,6 +49,7 @@ from visionrl.types import Completion, PromptItem, SamplingSpec
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+ACTOR_RESTARTS_KEY = "actor_restarts"  # in a checkpoint's extra: the restarts the run had used by then
 
 
 class PromptStream:
@@ -152,9 +155,9 @@ def reward_deadline_s(cfg: JobConfig, completions: int) -> float:
 
 class Workers:
     """The loop's view of the actors. Every remote call has a deadline (`remote.gather`); a rollout engine or
-    reward worker that dies or hangs is restarted (at most ray.max_actor_restarts times in the run), an
-    engine gets the current adapter again (verified), and the call is retried; anything else raises
-    `ActorProblem`, which the loop reports with the checkpoint to resume from."""
+    reward worker that dies or hangs is restarted (at most ray.max_actor_restarts times in the run, resumes
+    included: checkpoints carry the count), an engine gets the current adapter again (verified), and the call
+    is retried; anything else raises `ActorProblem`, which the loop reports with the checkpoint to resume from."""
 
     def __init__(self, learners: list[Any], engines: list[Any], rewards: list[Any], cfg: JobConfig) -> None:
         self.learners = LearnerGroup(learners, cfg.ray.call_timeout_s)  # the ranks, called as one learner
@@ -358,7 +361,12 @@ class Workers:
             trainer_state=state["trainer_state"],
             sampler_state=sampler_state if sampler_state is not None else prompts.sampler.state_dict(),
             # the settings it was trained with: a resume compares them (orchestrate.resume)
-            extra={"adapter_version": payload.version, "config": self.cfg.model_dump(mode="json")},
+            # the restarts used so far: ray.max_actor_restarts bounds the run, resumes included
+            extra={
+                "adapter_version": payload.version,
+                "config": self.cfg.model_dump(mode="json"),
+                ACTOR_RESTARTS_KEY: self.restarts,
+            },
             keep=self.cfg.logging.keep_checkpoints,
         )
 
@@ -369,26 +377,43 @@ class Workers:
         ckpt = load_checkpoint(path)
         self._learner("resume", "load_state", str(ckpt.adapter_dir), ckpt.trainer_state)
         prompts.sampler.load_state_dict(ckpt.sampler_state)
+        # checkpoints written before the count was kept: none counted
+        self.restarts = int(ckpt.extra.get(ACTOR_RESTARTS_KEY, 0))
         self.sync_adapter()
-        logger.info("resumed from %s (step %d)", path, ckpt.step)
+        used = f"{self.restarts} of ray.max_actor_restarts={self.cfg.ray.max_actor_restarts}"
+        logger.info("resumed from %s (step %d; actor restarts used: %s)", path, ckpt.step, used)
         return ckpt.step
 
     # end of run
     def export_final(self, run: Path, accuracy: float | None) -> Path:
-        from visionrl.adapter.manifest import build_manifest, write_manifest
+        """Write the run's adapter (the learner's, full precision, as in checkpoints) and its manifest, last. The
+        driver writes it, as it writes checkpoints, so it lands in output_dir whichever node the learner is on. A
+        full or unwritable disk: StorageError with the checkpoint to continue from (which exports again)."""
+        from visionrl.adapter.manifest import MANIFEST_NAME, build_manifest, write_manifest
         from visionrl.adapter.storage import filesystem
 
         adapter_dir = RunDir(run).adapter
-        self._learner("export", "save_adapter", str(adapter_dir))
-        eval_results = {"accuracy": accuracy} if accuracy is not None else None
-        manifest = build_manifest(
-            adapter_dir,
-            base_model=self.cfg.model.path,
-            job_config=self.cfg.model_dump(mode="json"),
-            eval_results=eval_results,
-        )
-        # Written last and atomically: a reader that finds the manifest finds a complete adapter.
-        write_manifest(*filesystem(adapter_dir), manifest)
+        files = self._learner("export", "adapter_payload", False).files
+        try:
+            kept = "No manifest was written, so no reader takes this export."
+            with storage_errors(adapter_dir, sum(len(data) for data in files.values()), kept=kept):
+                adapter_dir.mkdir(parents=True, exist_ok=True)
+                (adapter_dir / MANIFEST_NAME).unlink(
+                    missing_ok=True
+                )  # an old manifest never vouches for new files
+                for name, data in files.items():
+                    atomic_write(adapter_dir / name, data)
+            eval_results = {"accuracy": accuracy} if accuracy is not None else None
+            manifest = build_manifest(
+                adapter_dir,
+                base_model=self.cfg.model.path,
+                job_config=self.cfg.model_dump(mode="json"),
+                eval_results=eval_results,
+            )
+            # Written last and atomically: a reader that finds the manifest finds a complete adapter.
+            write_manifest(*filesystem(adapter_dir), manifest)
+        except StorageError as err:
+            raise StorageError(f"{err}\n{resume_hint(run)}") from None
         return adapter_dir
 
     def close(self) -> None:
