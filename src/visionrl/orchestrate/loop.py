@@ -1,6 +1,8 @@
 """The GRPO loop. One step = the numbered phases of DESIGN.md, each one call; the helpers are below the loop.
 
 1 sample prompts   2 rollout   3 reward   4 advantages   5 learner update   6 sync adapter   7 log/eval/save
+
+With `rollout.async_steps: 1` phases 1-3 of the next step run during phase 5 (`orchestrate.pipeline` says how).
 """
 
 from __future__ import annotations
