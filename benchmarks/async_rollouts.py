@@ -65,9 +65,7 @@ def _run(model: Path, data: Path, out: Path, async_steps: int, args: argparse.Na
 
     # Batch s+1 is collected during step s: its rollout + reward time is logged with step s+1, the wait with s.
     collect = [h[tags.TIMING_ROLLOUT] + h.get(tags.TIMING_REWARD, 0.0) for h in history]
-    hidden = [
-        1.0 - history[i][wait] / collect[i + 1] for i in range(WARMUP, len(history) - 1) if async_steps
-    ]
+    hidden = [1.0 - history[i][wait] / collect[i + 1] for i in range(WARMUP, len(history) - 1) if async_steps]
     return {
         "async_steps": async_steps,
         "wall_per_step_s": med(tags.TIMING_STEP),
@@ -117,7 +115,9 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "async_rollouts.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\n{args.prompts} prompts x {args.group} completions, {args.tokens} tokens, {args.steps} steps each")
+    print(
+        f"\n{args.prompts} prompts x {args.group} completions, {args.tokens} tokens, {args.steps} steps each"
+    )
     head = ("async_steps", "wall/step s", "rollout+reward s", "update s", "wait s", "sync s", "overlap")
     print(" | ".join(head))
     for r in rows:
