@@ -27,10 +27,22 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any, Generic, TypeVar
 
+from visionrl.config import JobConfig
 from visionrl.errors import Preempted
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+def warn_if_no_overlap(cfg: JobConfig) -> None:
+    """Engines colocated with the learner on the same GPUs share its device: rollouts and update then take turns
+    anyway, and async_steps only adds staleness."""
+    if cfg.rollout.async_steps and cfg.ray.placement == "colocated" and cfg.rollout.gpus_per_engine > 0:
+        logger.warning(
+            "rollout.async_steps=%d with ray.placement=colocated on GPUs: engines and learner share the GPUs, so "
+            "the next batch's rollouts cannot overlap the update much; use ray.placement=split",
+            cfg.rollout.async_steps,
+        )
 
 
 class Prefetch(Generic[T]):
