@@ -148,10 +148,8 @@ def _train(cfg: JobConfig, run: RunDir, ckpt: Path | None, prompts_in: PromptStr
             progress.update(step, reward=m[tags.REWARD_MEAN], acc=acc)
             stop = above >= 2  # two consecutive evals at the target (evals swing, docs/ENGINE_NOTES.md)
             signum = preemption.requested()
-            if (
-                _planned_save(step, cfg) or stop or signum or eval_failed
-            ):  # ... maybe checkpoint (also if eval
-                # failed); a prefetched batch's prompts are drawn again after a resume (its position is saved)
+            # ... maybe checkpoint (also if eval failed); a prefetched batch is drawn again after a resume
+            if _planned_save(step, cfg) or stop or signum or eval_failed:
                 workers.checkpoint(run.root, step, prompts_in, sampler_state=prefetch.position)
                 saved = step
             if signum:
@@ -267,9 +265,8 @@ class Collected:
     keep: torch.Tensor  # [num_groups] bool
     rounds: int
     skipped: int = 0  # prompts the engines rejected (left out of the step, never failing it)
-    timing: dict[str, float] = field(
-        default_factory=dict
-    )  # rollout/reward times when collected ahead (async)
+    # rollout and reward times when collected ahead (async), else in the step's own clock
+    timing: dict[str, float] = field(default_factory=dict)
 
 
 MAX_REJECTED_BATCHES = 3  # batches in a row whose every prompt the engines rejected before the run stops
