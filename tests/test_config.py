@@ -517,3 +517,17 @@ def test_on_nonfinite_defaults_to_skip_with_a_limit() -> None:
     )
     assert "train.on_nonfinite" in config_error(MINIMAL, ["train.on_nonfinite=ignore"])
     assert "train.max_consecutive_skips" in config_error(MINIMAL, ["train.max_consecutive_skips=0"])
+
+
+def test_async_rollouts_key_and_its_check() -> None:
+    assert config_from_dict(MINIMAL).rollout.async_steps == 0  # synchronous by default
+    cfg = config_from_dict(apply_overrides(MINIMAL, ["rollout.async_steps=1"]))
+    assert cfg.rollout.async_steps == 1
+    with pytest.raises(ConfigError, match="rollout.async_steps"):  # staleness beyond one step: not supported
+        config_from_dict(apply_overrides(MINIMAL, ["rollout.async_steps=2"]))
+    # engines that sleep during the update cannot generate the next batch meanwhile
+    with pytest.raises(ConfigError, match="but rollout.sleep_during_update puts them to sleep") as err:
+        config_from_dict(
+            apply_overrides(MINIMAL, ["rollout.async_steps=1", "rollout.sleep_during_update=true"])
+        )
+    assert "set rollout.sleep_during_update=false" in str(err.value)

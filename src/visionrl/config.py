@@ -180,6 +180,26 @@ class RolloutConfig(Section):
         description="vLLM on GPUs: put the engines to sleep (KV cache freed, weights to CPU memory) while the "
         "learner updates, so a colocated learner can use that memory; woken before the adapter sync.",
     )
+    async_steps: int = Field(
+        0,
+        ge=0,
+        le=1,
+        description="0: synchronous steps. 1: one-step-off rollouts: the engines generate (and the reward workers "
+        "score) the next step's batch with the adapter they hold while the learner trains this step, so each "
+        "batch is at most one adapter version old (rollout/staleness); the rollout correction weights the "
+        "off-policy gap. Overlaps only where engines and learner do not share a device (split placement, CPUs).",
+    )
+
+    @model_validator(mode="after")
+    def validate_async_without_sleep(self) -> RolloutConfig:
+        if self.async_steps and self.sleep_during_update:
+            raise ValueError(
+                f"rollout.async_steps={self.async_steps} has the engines generate the next batch while the learner "
+                "trains, but rollout.sleep_during_update puts them to sleep during the update; set "
+                "rollout.sleep_during_update=false (and give engines their own GPUs: ray.placement=split), or "
+                "rollout.async_steps=0"
+            )
+        return self
 
 
 class TrainConfig(Section):

@@ -62,6 +62,10 @@ THROUGHPUT = "throughput/tokens_per_s"
 EVAL_ACCURACY = "eval/accuracy"
 LOGPROB_DIFF = "rollout/logprob_diff"  # engine vs learner log-prob mismatch of the same tokens
 ADAPTER_VERSION = "rollout/adapter_version"
+# learner's adapter version at the update minus the version that sampled the batch (mean over its sequences):
+# 0 synchronous, 1 with rollout.async_steps=1
+STALENESS = "rollout/staleness"
+TIMING_ROLLOUT_WAIT = "timing/rollout_wait_s"  # async: waiting after the update for the next batch's rollouts
 GROUPS_KEPT = "rollout/groups_kept"  # groups left after dynamic sampling drops zero-signal ones
 SAMPLING_ROUNDS = "rollout/sampling_rounds"  # prompt batches sampled this step (dynamic sampling)
 SKIPPED_PROMPTS = "rollout/skipped_prompts"  # prompts the engine rejected this step (left out, not the batch)

@@ -1,13 +1,16 @@
 """The GRPO loop. One step = the numbered phases of DESIGN.md, each one call; the helpers are below the loop.
 
 1 sample prompts   2 rollout   3 reward   4 advantages   5 learner update   6 sync adapter   7 log/eval/save
+
+With `rollout.async_steps: 1` phases 1-3 of the next step run during phase 5 (`orchestrate.pipeline` says how).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +28,7 @@ from visionrl.orchestrate import preemption
 from visionrl.orchestrate.actors import ray_session, start_actors
 from visionrl.orchestrate.failures import resume_hint, run_error, run_log, stopped
 from visionrl.orchestrate.health import RunHealth
+from visionrl.orchestrate.pipeline import Prefetch, warn_if_no_overlap
 from visionrl.orchestrate.preemption import stop_on_signals
 from visionrl.orchestrate.remote import ActorProblem, first_line
 from visionrl.orchestrate.resume import ResumeMode, checkpoint_to_resume
@@ -78,13 +82,15 @@ def train(cfg: JobConfig, resume: ResumeMode | None = None) -> TrainResult:
 
 def _train(cfg: JobConfig, run: RunDir, ckpt: Path | None, prompts_in: PromptStream) -> TrainResult:
     G, spec, clock = cfg.algorithm.group_size, _sampling_spec(cfg), StepClock()
-    with MetricsWriter(run.tensorboard) as tb:
+    # rollout.async_steps: the next step's batch, collected while the learner trains (orchestrate.pipeline)
+    with MetricsWriter(run.tensorboard) as tb, Prefetch[Collected]() as prefetch:
         try:
             workers = Workers(*start_actors(cfg), cfg)
             # a non-zero adapter must change the engines' output
             workers.verify_delivery(prompts_in.probe_prompts())
         except Preempted as early_stop:  # stopped while starting: nothing new to save
             raise stopped(early_stop, run.root, None) from None
+        warn_if_no_overlap(cfg)
         watch = MismatchWatch(cfg.rollout.max_logprob_diff, cfg.rollout.max_logprob_diff_steps)
         start = saved = workers.resume(ckpt, prompts_in) if ckpt else 0
         history_file.trim(run.history, start)  # steps after the checkpoint will be run again
@@ -94,18 +100,21 @@ def _train(cfg: JobConfig, run: RunDir, ckpt: Path | None, prompts_in: PromptStr
         history: list[dict[str, Any]] = []
         for step in range(start + 1, cfg.train.steps + 1):
             clock.start()
-            position = prompts_in.sampler.state_dict()  # the data position after step - 1
+            got = prefetch.take(step)  # async: collected during the previous step's update
+            position = prompts_in.sampler.state_dict()  # the data position after step - 1 (if got is None)
             try:
                 # 1-3. sample prompts, roll out group_size completions each, reward them (see _collect)
-                got = _collect(
-                    prompts_in, workers, replace(spec, seed=cfg.train.seed * 100_003 + step), cfg, clock
-                )
+                got = got or _collect(prompts_in, workers, _step_spec(spec, cfg, step), cfg, clock)
             except Preempted as signal_stop:
                 # nothing of this step was applied: save the step before (if not yet), with its data position
                 if step - 1 > saved:
                     saved = step - 1
                     workers.checkpoint(run.root, saved, prompts_in, sampler_state=position)
                 raise stopped(signal_stop, run.root, saved if saved > start else None) from None
+            if cfg.rollout.async_steps and step < cfg.train.steps and not _planned_save(step, cfg):
+                # the engines generate and score step + 1's batch with the adapter they hold during the update
+                collect = partial(_prefetched, prompts_in, workers, _step_spec(spec, cfg, step + 1), cfg)
+                prefetch.start(step + 1, prompts_in.sampler.state_dict(), collect)
             prompts, completions, scores, rewards = got.prompts, got.completions, got.scores, got.rewards
             shaped, shaping = _shape_rewards(rewards, completions, cfg)  # DAPO overlong shaping, if set
             adv = group_advantages(shaped, G, scale=cfg.algorithm.advantage_scale)  # 4. advantages
@@ -113,6 +122,8 @@ def _train(cfg: JobConfig, run: RunDir, ckpt: Path | None, prompts_in: PromptStr
             with clock("update"):  # 5. learner update
                 stats = workers.update(batch) if batch.sequences else {}
             watch.check(step, stats.get(tags.LOGPROB_DIFF))  # the engine sampled the policy being trained
+            with clock("rollout_wait"):  # async: the engines keep their version until the next batch is done
+                prefetch.wait()
             with clock("sync"):  # 6. sync: the new adapter version to every engine (if there was an update)
                 if stats:
                     workers.sync_adapter()
@@ -124,6 +135,7 @@ def _train(cfg: JobConfig, run: RunDir, ckpt: Path | None, prompts_in: PromptStr
                 tags.ACTOR_RESTARTS: float(workers.restarts),
                 **prompts_in.data_metrics(),
                 **clock.metrics(),
+                **got.timing,  # a prefetched batch's rollout and reward times
             }
             health.after_step(step, stats, scores)  # stops a run that trains on nothing
             eval_failed = None
@@ -136,8 +148,9 @@ def _train(cfg: JobConfig, run: RunDir, ckpt: Path | None, prompts_in: PromptStr
             progress.update(step, reward=m[tags.REWARD_MEAN], acc=acc)
             stop = above >= 2  # two consecutive evals at the target (evals swing, docs/ENGINE_NOTES.md)
             signum = preemption.requested()
-            if step % cfg.logging.save_every == 0 or step == cfg.train.steps or stop or signum or eval_failed:
-                workers.checkpoint(run.root, step, prompts_in)  # ... maybe checkpoint (also if eval failed)
+            # ... maybe checkpoint (also if eval failed); a prefetched batch is drawn again after a resume
+            if _planned_save(step, cfg) or stop or signum or eval_failed:
+                workers.checkpoint(run.root, step, prompts_in, sampler_state=prefetch.position)
                 saved = step
             if signum:
                 raise stopped(Preempted(signum), run.root, step)
@@ -226,6 +239,14 @@ class StepClock:
 # ---------------------------------------------------------------------------------------------- helpers
 
 
+def _planned_save(step: int, cfg: JobConfig) -> bool:
+    return step % cfg.logging.save_every == 0 or step == cfg.train.steps
+
+
+def _step_spec(spec: SamplingSpec, cfg: JobConfig, step: int) -> SamplingSpec:
+    return replace(spec, seed=cfg.train.seed * 100_003 + step)  # reproducible, distinct per step
+
+
 def _sampling_spec(cfg: JobConfig) -> SamplingSpec:
     r = cfg.rollout
     return SamplingSpec(
@@ -244,6 +265,8 @@ class Collected:
     keep: torch.Tensor  # [num_groups] bool
     rounds: int
     skipped: int = 0  # prompts the engines rejected (left out of the step, never failing it)
+    # rollout and reward times when collected ahead (async), else in the step's own clock
+    timing: dict[str, float] = field(default_factory=dict)
 
 
 MAX_REJECTED_BATCHES = 3  # batches in a row whose every prompt the engines rejected before the run stops
@@ -306,6 +329,14 @@ def _collect(
     )
 
 
+def _prefetched(prompts_in: PromptStream, workers: Workers, spec: SamplingSpec, cfg: JobConfig) -> Collected:
+    """`_collect` run ahead (rollout.async_steps), timed by its own clock: the step's clock is not running yet."""
+    clock = StepClock()
+    got = _collect(prompts_in, workers, spec, cfg, clock)
+    got.timing = {k: v for k, v in clock.metrics().items() if k != tags.TIMING_STEP}
+    return got
+
+
 def _without_rejected(
     batch: list[PromptItem], groups: list[list[Completion]]
 ) -> tuple[list[PromptItem], list[list[Completion]], int]:
@@ -330,6 +361,7 @@ def _train_batch(
             completion_ids=c.token_ids,
             advantage=float(adv[i * G + j]),
             sampling_logprobs=c.logprobs,
+            adapter_version=c.adapter_version,
         )
         for i, group in enumerate(completions)
         if keep[i]

@@ -43,6 +43,7 @@ class Sequence:
     completion_ids: list[int]
     advantage: float
     sampling_logprobs: list[float]
+    adapter_version: int | None = None  # the version that sampled it (None: the learner's current one)
 
 
 @dataclass

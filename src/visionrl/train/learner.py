@@ -45,6 +45,15 @@ from visionrl.train.batching import (
     plan_micro_batches,
 )
 from visionrl.train.forward import SharedImages, completion_stats
+from visionrl.train.mismatch import (
+    AdapterSnapshot,
+    abs_diff_sums,
+    engine_mismatch,
+    rows_by_version,
+    snapshot,
+    staleness,
+    swapped,
+)
 from visionrl.train.ranks import (
     RankGroup,
     clip_grads,
@@ -59,31 +68,6 @@ class TrainBatch:
 
     prompts: list[PromptItem]
     sequences: list[Sequence]
-
-
-def _engine_mismatch(
-    seqs: list[Sequence],
-    rows: list[int],
-    old: dict[int, torch.Tensor] | None,
-    first_diff: float,
-    first_tokens: float,
-    ranks: RankGroup,
-) -> float:
-    """Mean |learner - engine| log-prob per token over the whole batch, every term under the adapter version
-    that sampled it: mini-batch 1 from its training forward (before the first update), the later ones from the
-    old-log-prob pass (also before any update; `rows`: this rank's). A drifted update must not pass for an
-    engine mismatch."""
-    if old is None:
-        return first_diff
-    local = torch.zeros(2, dtype=torch.float64)
-    for r in rows:
-        k = len(seqs[r].completion_ids)
-        if k:
-            samp = torch.tensor(seqs[r].sampling_logprobs[:k], dtype=torch.float32)
-            local += torch.tensor([float((old[r][:k] - samp).abs().sum()), k], dtype=torch.float64)
-    total, count = ranks.sum_(local).tolist()
-    total, count = total + first_diff * first_tokens, count + first_tokens
-    return total / count if count else 0.0
 
 
 def lr_lambda(step: int, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
@@ -125,6 +109,8 @@ class Learner:
             self.optimizer, lambda s: lr_lambda(s, t.warmup_steps, total, t.lr_schedule, t.min_lr_ratio)
         )
         self.version = 0
+        # rollout.async_steps: the version before `version`, which the engines may still sample with (train.mismatch)
+        self._previous: AdapterSnapshot | None = None
         self._adapter_config: bytes | None = None
 
     def _checkpoint_layers(self, count: int | None) -> None:
@@ -239,7 +225,13 @@ class Learner:
         if algo.kl_coef > 0:
             ref = self._precompute(encoded, seqs, [r for rows in shards for r in rows], adapter=False)
         t3 = time.perf_counter()
-        totals: dict[str, float] = {tags.SKIPPED_UPDATES: 0.0}
+        mine = [r for rows in shards for r in rows]
+        # Async batches were sampled with an older version: the guard scores them under it (train.mismatch).
+        stale = any(s.adapter_version not in (None, self.version) for s in seqs)
+        diff_at_sampling = self._mismatch_at_sampling_versions(encoded, seqs, mine) if stale else None
+        # kept when this update makes a new version: the engines sample the next batch with this one
+        before = snapshot(self._trainable(), self.version) if self.cfg.rollout.async_steps else None
+        totals: dict[str, float] = {tags.SKIPPED_UPDATES: 0.0, tags.STALENESS: staleness(seqs, self.version)}
         first_diff, first_tokens = 0.0, 0.0
         for u, rows in enumerate(minis):
             metrics = self._update(encoded, seqs, rows, shards[u], old if u > 0 else None, ref)
@@ -251,7 +243,10 @@ class Learner:
         totals["updates"] = float(n_updates)
         if totals[tags.SKIPPED_UPDATES] < n_updates:  # the adapter changed: a new version for the engines
             self.version += 1
-        totals[tags.LOGPROB_DIFF] = _engine_mismatch(seqs, later, old, first_diff, first_tokens, self.ranks)
+            self._previous = before
+        if diff_at_sampling is None:
+            diff_at_sampling = engine_mismatch(seqs, later, old, first_diff, first_tokens, self.ranks)
+        totals[tags.LOGPROB_DIFF] = diff_at_sampling
         totals[tags.LEARNER_TOKENS] *= n_updates  # a sum over the mini-batches, not a mean
         totals[tags.LEARNER_SEQUENCE_TOKENS] *= n_updates
         totals[tags.LEARNER_OLD_LOGPROB_S] = t2 - t1
@@ -291,6 +286,23 @@ class Learner:
             for p in [p for group in self.optimizer.param_groups for p in group["params"]]:
                 p.requires_grad_(True)
         return out
+
+    def _trainable(self) -> list[torch.Tensor]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def _mismatch_at_sampling_versions(
+        self, encoded: list[EncodedPrompt], seqs: list[Sequence], rows: list[int]
+    ) -> float:
+        """Mean |learner - engine| log-prob per token, each of this rank's `rows` scored (no grad, before the
+        update) under the adapter version that sampled it: the previous version's weights swapped in for stale
+        sequences, the current ones for the rest."""
+        local = torch.zeros(2, dtype=torch.float64)
+        for snap, version_rows in rows_by_version(seqs, rows, self.version, self._previous):
+            with swapped(self._trainable(), snap):
+                store = self._precompute(encoded, seqs, version_rows, adapter=True)
+            local += abs_diff_sums(seqs, version_rows, store)
+        total, count = self.ranks.sum_(local).tolist()
+        return total / count if count else 0.0
 
     def _correction(
         self, old_lp: torch.Tensor, sampling_lp: torch.Tensor, mask: torch.Tensor
