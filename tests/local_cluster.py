@@ -33,8 +33,10 @@ def free_port() -> int:
 
 
 class LocalCluster:
-    def __init__(self, nodes: list[dict[str, Any]], start_timeout_s: float = 120.0) -> None:
-        self.nodes, self.timeout = nodes, start_timeout_s
+    def __init__(
+        self, nodes: list[dict[str, Any]], start_timeout_s: float = 120.0, keep_logs: Path | None = None
+    ) -> None:
+        self.nodes, self.timeout, self.keep_logs = nodes, start_timeout_s, keep_logs
         self.procs: list[subprocess.Popen] = []
         self.logs: list[Any] = []
         self.groups: list[int] = []  # process group ids (= the `ray start` pids) of the nodes
@@ -153,6 +155,10 @@ class LocalCluster:
         rows = [line.split(None, 2) for line in out.splitlines() if line.strip()]
         return [" ".join(r) for r in rows if len(r) == 3 and int(r[1]) in self.groups]
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: object, *exc: object) -> None:
         self.stop()
+        if kind is not None and self.keep_logs is not None:  # a failed test keeps the nodes' logs to read
+            shutil.copytree(
+                self.tmp, self.keep_logs, ignore=shutil.ignore_patterns("sockets"), dirs_exist_ok=True
+            )
         shutil.rmtree(self.tmp, ignore_errors=True)

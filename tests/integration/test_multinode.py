@@ -27,7 +27,8 @@ def test_a_job_spreads_learner_ranks_and_engines_over_the_nodes(
     from visionrl.orchestrate.loop import train
 
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # as the cluster was started
-    with LocalCluster([{"num_cpus": 1}, {"num_cpus": 1}, {"num_cpus": 1}]) as cluster:
+    nodes = [{"num_cpus": 1}, {"num_cpus": 1}, {"num_cpus": 1}]
+    with LocalCluster(nodes, keep_logs=tmp_path / "cluster-logs") as cluster:
         assert cluster.alive_nodes() == 3
         cfg = config_from_dict(
             {
