@@ -9,7 +9,6 @@ GPUs of their own) and applied here.
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import os
 import shutil
@@ -40,11 +39,6 @@ def ray_session(cfg: RayConfig) -> Iterator[dict[str, Any]]:
     if ray.is_initialized():
         yield {"mode": "existing"}
         return
-    # Actor handles of an earlier session in this process (a second run in one notebook or test process) must
-    # be gone before the next session starts: its first job gets the same job id, so the same actor ids, and a
-    # stale handle collected later releases the new actor of that id ("all references to the actor were
-    # removed"), which then dies before it starts.
-    gc.collect()
     if address:
         ray.init(address=address, log_to_driver=True)
         try:
