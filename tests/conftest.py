@@ -158,6 +158,27 @@ def _run_learner_ranks(
     return load_file(str(out) + ".safetensors"), json.loads(Path(str(out) + ".json").read_text())
 
 
+def learner_rank_job(model: Path, data: Path, *, lr: float, **model_over: Any) -> dict[str, Any]:
+    """The job of tests/learner_rank.py's runs: the tiny model with LoRA on the LM, merger and lm_head, 2 updates
+    per batch (old log-probs) with a KL term (reference log-probs), 64-token micro-batches."""
+    return {
+        "output_dir": "unused",
+        "model": {"path": str(model), "dtype": "float32", **model_over},
+        "data": {"train": str(data / "train.jsonl")},
+        "rewards": [{"name": "exact_match"}],
+        "lora": {"rank": 8, "train_merger": True, "train_lm_head": True},
+        "algorithm": {"group_size": 2, "updates_per_batch": 2, "kl_coef": 0.05},
+        "rollout": {"prompts_per_step": 4, "max_new_tokens": 4, "temperature": 0.7},
+        "train": {"lr": lr, "lr_schedule": "constant", "micro_batch_tokens": 64},
+    }
+
+
+@pytest.fixture
+def rank_job():
+    """`learner_rank_job` (the job the learner-rank runs train), as a fixture."""
+    return learner_rank_job
+
+
 @pytest.fixture
 def run_learner_ranks():
     """Run `world` learner ranks of tests/learner_rank.py as processes; returns (rank 0's trained LoRA weights,

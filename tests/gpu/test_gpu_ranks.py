@@ -18,18 +18,13 @@ pytestmark = [
 
 
 def test_fsdp_rank_on_the_gpu_trains_the_same_adapter_as_the_plain_learner(
-    tiny_model: Path, color_data: Path, tmp_path: Path, run_learner_ranks: Callable[..., Any]
+    tiny_model: Path,
+    color_data: Path,
+    tmp_path: Path,
+    run_learner_ranks: Callable[..., Any],
+    rank_job: Callable[..., dict],
 ) -> None:
-    raw = {
-        "output_dir": "unused",
-        "model": {"path": str(tiny_model), "dtype": "bfloat16", "gradient_checkpointing": True},
-        "data": {"train": str(color_data / "train.jsonl")},
-        "rewards": [{"name": "exact_match"}],
-        "lora": {"rank": 8, "train_merger": True, "train_lm_head": True},
-        "algorithm": {"group_size": 2, "updates_per_batch": 2, "kl_coef": 0.05},
-        "rollout": {"prompts_per_step": 4, "max_new_tokens": 4, "temperature": 0.7},
-        "train": {"lr": 1e-3, "lr_schedule": "constant", "micro_batch_tokens": 64},
-    }
+    raw = rank_job(tiny_model, color_data, lr=1e-3, dtype="bfloat16", gradient_checkpointing=True)
     plain, m1 = run_learner_ranks(raw, 1, tmp_path / "plain", steps=2, device="cuda")
     fsdp, m2 = run_learner_ranks(raw, 1, tmp_path / "fsdp", fsdp=True, steps=2, device="cuda")
     still, _ = run_learner_ranks(

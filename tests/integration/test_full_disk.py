@@ -12,34 +12,18 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import yaml
+from small_job import small_job, write_job
 
 from visionrl.adapter.manifest import verify_adapter
 from visionrl.checkpoint import latest_checkpoint, load_checkpoint
 from visionrl.cli import main
-from visionrl.config import config_from_dict
 from visionrl.metrics import REWARD_MEAN, read_scalars
 
 pytestmark = pytest.mark.slow
 
 
 def _job_file(model: Path, data_dir: Path, out: Path, path: Path, **over: dict | list) -> str:
-    raw = {
-        "output_dir": str(out),
-        "model": {"path": str(model), "dtype": "float32"},
-        "data": {"train": str(data_dir / "train.jsonl")},
-        "rewards": [{"name": "exact_match", "kwargs": {"first_word": True}}],
-        "lora": {"rank": 8, "alpha": 16},
-        "algorithm": {"group_size": 4},
-        "rollout": {"engine": "hf", "prompts_per_step": 2, "max_new_tokens": 2, "max_model_len": 256},
-        "train": {"lr": 3e-3, "torch_threads": 1, "steps": 2},
-        "logging": {"save_every": 1, "images_every": 100},
-        "ray": {"num_cpus": 2},
-    }
-    for section, values in over.items():
-        raw[section] = values if isinstance(values, list) else {**raw.get(section, {}), **values}
-    path.write_text(yaml.safe_dump(config_from_dict(raw).model_dump(mode="json")))
-    return str(path)
+    return write_job(small_job(model, data_dir, out, **over), path)
 
 
 def _steps(run: Path) -> list[int]:

@@ -15,20 +15,15 @@ pytestmark = pytest.mark.slow
 
 
 def test_two_ranks_train_the_same_adapter_as_one(
-    tiny_model: Path, color_data: Path, tmp_path: Path, run_learner_ranks: Callable[..., Any]
+    tiny_model: Path,
+    color_data: Path,
+    tmp_path: Path,
+    run_learner_ranks: Callable[..., Any],
+    rank_job: Callable[..., dict],
 ) -> None:
-    raw = {
-        "output_dir": "unused",
-        "model": {"path": str(tiny_model), "dtype": "float32"},
-        "data": {"train": str(color_data / "train.jsonl")},
-        "rewards": [{"name": "exact_match"}],
-        "lora": {"rank": 8, "train_merger": True, "train_lm_head": True},
-        "algorithm": {"group_size": 2, "updates_per_batch": 2, "kl_coef": 0.05},
-        "rollout": {"prompts_per_step": 4, "max_new_tokens": 4, "temperature": 0.7},
-        # lr 1e-4: Adam's first steps move every weight by about lr, and where a gradient is as small as Adam's eps
-        # (1e-8) summation-order rounding is amplified to ~1e-3 of lr; at lr 1e-4 that stays well below 1e-6.
-        "train": {"lr": 1e-4, "lr_schedule": "constant", "micro_batch_tokens": 64},
-    }
+    # lr 1e-4: Adam's first steps move every weight by about lr, and where a gradient is as small as Adam's eps
+    # (1e-8) summation-order rounding is amplified to ~1e-3 of lr; at lr 1e-4 that stays well below 1e-6.
+    raw = rank_job(tiny_model, color_data, lr=1e-4)
     one, m1 = run_learner_ranks(raw, 1, tmp_path / "one")
     two, m2 = run_learner_ranks(raw, 2, tmp_path / "two")
     before = run_learner_ranks({**raw, "train": {**raw["train"], "lr": 1e-12}}, 1, tmp_path / "still")[0]
@@ -43,18 +38,13 @@ def test_two_ranks_train_the_same_adapter_as_one(
 
 
 def test_fsdp_ranks_train_the_same_adapter_as_one_plain_learner(
-    tiny_model: Path, color_data: Path, tmp_path: Path, run_learner_ranks: Callable[..., Any]
+    tiny_model: Path,
+    color_data: Path,
+    tmp_path: Path,
+    run_learner_ranks: Callable[..., Any],
+    rank_job: Callable[..., dict],
 ) -> None:
-    raw = {
-        "output_dir": "unused",
-        "model": {"path": str(tiny_model), "dtype": "float32", "gradient_checkpointing": True},
-        "data": {"train": str(color_data / "train.jsonl")},
-        "rewards": [{"name": "exact_match"}],
-        "lora": {"rank": 8, "train_merger": True, "train_lm_head": True},
-        "algorithm": {"group_size": 2, "updates_per_batch": 2, "kl_coef": 0.05},
-        "rollout": {"prompts_per_step": 4, "max_new_tokens": 4, "temperature": 0.7},
-        "train": {"lr": 1e-4, "lr_schedule": "constant", "micro_batch_tokens": 64},
-    }
+    raw = rank_job(tiny_model, color_data, lr=1e-4, gradient_checkpointing=True)
     # Two steps with a checkpoint-state round trip between them; rank 1 of FSDP gets fewer micro-batches than
     # rank 0 (token-balanced shards of 8 sequences), so its filler passes are exercised too.
     one, m1 = run_learner_ranks(raw, 1, tmp_path / "one", steps=2)

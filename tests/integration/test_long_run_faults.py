@@ -10,38 +10,14 @@ import os
 from pathlib import Path
 
 import pytest
-import yaml
+from small_job import small_job, write_job
 
 from visionrl.checkpoint import latest_checkpoint, load_checkpoint
 from visionrl.cli import main
-from visionrl.config import JobConfig, config_from_dict
 from visionrl.errors import RunError
 from visionrl.metrics import SKIPPED_UPDATES, read_scalars
 
 pytestmark = pytest.mark.slow
-
-
-def _cfg(model: Path, data_dir: Path, out: Path, **over: dict | list) -> JobConfig:
-    raw = {
-        "output_dir": str(out),
-        "model": {"path": str(model), "dtype": "float32"},
-        "data": {"train": str(data_dir / "train.jsonl")},
-        "rewards": [{"name": "exact_match", "kwargs": {"first_word": True}}],
-        "lora": {"rank": 8, "alpha": 16},
-        "algorithm": {"group_size": 4},
-        "rollout": {"engine": "hf", "prompts_per_step": 2, "max_new_tokens": 2, "max_model_len": 256},
-        "train": {"lr": 3e-3, "torch_threads": 1, "steps": 2},
-        "logging": {"save_every": 1, "images_every": 100},
-        "ray": {"num_cpus": 2},
-    }
-    for section, values in over.items():
-        raw[section] = values if isinstance(values, list) else {**raw.get(section, {}), **values}
-    return config_from_dict(raw)
-
-
-def _job_file(cfg: JobConfig, path: Path) -> str:
-    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
-    return str(path)
 
 
 def _steps(run: Path) -> list[dict]:
@@ -57,8 +33,8 @@ def test_nonfinite_updates_are_never_applied_and_the_run_ends_non_zero(
     NaN ends the run, before any checkpoint."""
     monkeypatch.setenv("VISIONRL_FAULTS", "nonfinite_loss")  # Ray workers inherit it
     run = tmp_path / "skip"
-    cfg = _cfg(tiny_model, color_data, run, train={"steps": 2, "max_consecutive_skips": 3})
-    assert main(["train", _job_file(cfg, tmp_path / "skip.yaml")]) == 1
+    cfg = small_job(tiny_model, color_data, run, train={"steps": 2, "max_consecutive_skips": 3})
+    assert main(["train", write_job(cfg, tmp_path / "skip.yaml")]) == 1
     err = capsys.readouterr().err
     assert "every learner update of the run (2) was skipped as non-finite" in err
     assert "step 1: all 1 learner update(s) skipped: loss nan, gradient norm nan" in err
@@ -76,7 +52,7 @@ def test_nonfinite_updates_are_never_applied_and_the_run_ends_non_zero(
     assert not (run / "adapter").exists()  # nothing exported as the run's adapter
 
     stopped = tmp_path / "stop"
-    cfg = _cfg(tiny_model, color_data, stopped, train={"steps": 3, "on_nonfinite": "stop"})
+    cfg = small_job(tiny_model, color_data, stopped, train={"steps": 3, "on_nonfinite": "stop"})
     with pytest.raises(RunError, match=r"(?s)NonFiniteError: a learner update had a non-finite loss \(nan\).*"
                        r"no checkpoint was written yet"):  # fmt: skip
         from visionrl.orchestrate.loop import train
@@ -97,7 +73,7 @@ def test_a_reward_failing_on_every_sample_stops_the_run_with_its_error(
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    cfg = _cfg(tiny_model, color_data, tmp_path / "run", rewards=[{"name": "broken_reward_vr:score"}],
+    cfg = small_job(tiny_model, color_data, tmp_path / "run", rewards=[{"name": "broken_reward_vr:score"}],
                train={"steps": 5, "max_consecutive_skips": 2})  # fmt: skip
     with pytest.raises(RunError) as err:
         train(cfg)
@@ -129,7 +105,7 @@ def test_a_failed_evaluation_still_checkpoints_its_step_and_cleans_up(
     monkeypatch.setattr(workers.Workers, "evaluate", engine_dies)
     before = set(scratch_root().glob(f"{PREFIX}*"))
     run = tmp_path / "run"
-    cfg = _cfg(tiny_model, color_data, run, rollout={"engine": "vllm"},
+    cfg = small_job(tiny_model, color_data, run, rollout={"engine": "vllm"},
                data={"eval": str(color_data / "eval.jsonl"), "max_eval_samples": 4},
                train={"steps": 4}, logging={"eval_every": 2, "save_every": 100})  # fmt: skip
     with pytest.raises(
@@ -151,7 +127,7 @@ def test_torn_history_is_dropped_on_resume_and_tensorboard_has_no_duplicate_step
     from visionrl.orchestrate.loop import train
 
     run = tmp_path / "run"
-    train(_cfg(tiny_model, color_data, run, train={"steps": 3}, logging={"save_every": 2}))
+    train(small_job(tiny_model, color_data, run, train={"steps": 3}, logging={"save_every": 2}))
     load_checkpoint(run / "checkpoints" / "step_3")  # the final save of step 3: removed below, as if killed
     import shutil
 
@@ -162,7 +138,7 @@ def test_torn_history_is_dropped_on_resume_and_tensorboard_has_no_duplicate_step
     assert [s for s, _ in first] == [1, 2, 3]
     with caplog.at_level(logging.WARNING, logger="visionrl.history"):
         resumed = train(
-            _cfg(tiny_model, color_data, run, train={"steps": 4}, logging={"save_every": 2}), resume=True
+            small_job(tiny_model, color_data, run, train={"steps": 4}, logging={"save_every": 2}), resume=True
         )
     assert "dropped its torn last line 4" in caplog.text
     assert [h["step"] for h in resumed.history] == [3, 4]
