@@ -181,11 +181,11 @@ def test_two_engines_take_whole_groups_and_serve_every_adapter_version(
         [c.token_ids for c in g] for g in direct[0] + direct[1]
     ]
     assert versions == [0, 0, 0]
-    # one start-up line: the plan (CPU: nothing reserved), then where each learner rank and engine runs
+    # one start-up line: the plan (CPU: spread, nothing reserved), then where each learner rank and engine runs
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("placement ")]
     assert line.startswith(
-        "placement colocated, 0 bundle(s): learner 0 -> own resources, engine 0 -> own resources, "
-        "engine 1 -> own resources; running: learner 0 {'node': "
+        "placement CPU only: 1 learner rank(s) spread over the nodes, 2 engine(s) spread over the nodes; "
+        "running: learner 0 {'node': "
     ), line
     assert "; engine 0 {'node': " in line and "; engine 1 {'node': " in line and "'gpus': []" in line
 

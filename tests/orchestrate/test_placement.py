@@ -15,6 +15,10 @@ GPU = {"GPU": 1.0, "CPU": 0.001}
 def test_cpu_only_reserves_nothing_whatever_the_counts() -> None:
     plan = plan_placement("colocated", 2, 0.0, 3, 0.0)
     assert plan.bundles == [] and plan.learners == [None, None] and plan.engines == [None, None, None]
+    assert plan.spread and plan.describe() == (
+        "CPU only: 2 learner rank(s) spread over the nodes, 3 engine(s) spread over the nodes"
+    )
+    assert not plan_placement("colocated", 2, 0.5, 2, 0.4).spread
 
 
 def test_one_colocated_learner_shares_gpu_0_with_engine_0_and_further_engines_get_their_own() -> None:

@@ -253,8 +253,9 @@ def _scheduling(cfg: JobConfig, plan: PlacementPlan) -> tuple[list[dict], list[d
                 opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=bundle
                 )
-    if not plan.bundles and cfg.ray.learner_gpus == 0 and cfg.rollout.gpus_per_engine == 0:
-        _spread(learner_opts + engine_opts)
+    if plan.spread:
+        _spread(learner_opts)
+        _spread(engine_opts)
     if cfg.ray.learner_gpus > 0 and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
         # Expandable segments: the learner's activations change size every micro-batch, and fixed segments
         # fragment. Learner only: vLLM's sleep mode refuses them in the engine's process.
@@ -265,8 +266,9 @@ def _scheduling(cfg: JobConfig, plan: PlacementPlan) -> tuple[list[dict], list[d
 
 def _spread(options: list[dict[str, Any]]) -> None:
     """CPU only: one tiny bundle per actor in a placement group of strategy SPREAD, so that on a cluster the
-    learner ranks and the engines go to different nodes (reserving nothing, Ray would start them all on the
-    driver's node); on one node they all land there, as before. GPU actors are placed by their GPUs instead:
+    actors of one kind (the learner ranks; the engines) go to different nodes (reserving nothing, Ray would start
+    them all on the driver's node); on one node they all land there, as before. One group per kind: a single
+    group of 2 ranks and 2 engines on 3 nodes may put both engines on one node. GPU actors are placed by their GPUs instead:
     packing learner ranks onto one node keeps their all-reduce on NVLink."""
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy

@@ -1,7 +1,8 @@
 """Where the learner ranks and the rollout engines run: a pure plan from the job's numbers (no Ray), which
 `orchestrate.actors` applies and the job config checks before anything starts.
 
-- CPU only (no GPUs requested): every actor on the local node(s), no reservations.
+- CPU only (no GPUs requested): nothing reserved; `spread` asks for the learner ranks to go to different nodes
+  and the engines to different nodes (on one node they all land there).
 - colocated (GPUs): learner rank i and engine i share GPU i: one placement-group bundle per GPU holding
   `ray.learner_gpus + rollout.gpus_per_engine`, so `rollout.num_engines` must equal `ray.num_learners`. With one
   learner, engine 0 shares bundle 0 and further engines take GPUs of their own (as with a single GPU learner).
@@ -17,15 +18,22 @@ from dataclasses import dataclass
 class PlacementPlan:
     """Which placement-group bundle each actor goes to. `bundles` is the group to reserve (empty: none);
     `learners[i]` / `engines[i]` are the bundle index of learner rank i / engine i, None where Ray places the
-    actor by its own `num_gpus` outside any group."""
+    actor by its own `num_gpus` outside any group. `spread` (CPU only): the learner ranks are spread over the
+    nodes, and the engines too, each kind in a placement group of strategy SPREAD with tiny bundles."""
 
     placement: str
     bundles: list[dict[str, float]]
     learners: list[int | None]
     engines: list[int | None]
+    spread: bool = False
 
     def describe(self) -> str:
         """One line for the start-up log, e.g. `2 bundles; learner 0 -> bundle 0, engine 0 -> bundle 0, ...`."""
+        if self.spread:
+            return (
+                f"CPU only: {len(self.learners)} learner rank(s) spread over the nodes, "
+                f"{len(self.engines)} engine(s) spread over the nodes"
+            )
         where = [f"learner {i} -> {_bundle(b)}" for i, b in enumerate(self.learners)]
         where += [f"engine {i} -> {_bundle(b)}" for i, b in enumerate(self.engines)]
         return f"{self.placement}, {len(self.bundles)} bundle(s): " + ", ".join(where)
@@ -48,7 +56,7 @@ def plan_placement(
                 "ray.placement=split places rollout engines and the learner on different GPUs, but no GPUs are "
                 "requested; set rollout.gpus_per_engine and ray.learner_gpus, or use ray.placement=colocated"
             )
-        return PlacementPlan(placement, [], anywhere, own)
+        return PlacementPlan(placement, [], anywhere, own, spread=True)
     if placement == "split":
         if num_learners > 1 and learner_gpus < 1:
             raise ValueError(
