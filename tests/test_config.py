@@ -119,6 +119,16 @@ def test_minimal_config_is_valid_and_fills_defaults() -> None:
     assert cfg.algorithm.group_size == 8 and cfg.rollout.engine == "vllm" and cfg.ray.placement == "colocated"
 
 
+@pytest.mark.parametrize(("text", "mode"), [("on", "on"), ("off", "off"), ("auto", "auto"), ("'on'", "on")])
+def test_fsdp_on_and_off_as_yaml_reads_them_mean_on_and_off(text: str, mode: str, tmp_path: Path) -> None:
+    # YAML 1.1 reads a bare `on` as True and `off` as False, in a job file and in a key=value override alike
+    data = {**MINIMAL, "train": yaml.safe_load(f"fsdp: {text}")}
+    assert config_from_dict(data).train.fsdp == mode
+    assert config_from_dict(apply_overrides(MINIMAL, [f"train.fsdp={text}"])).train.fsdp == mode
+    with pytest.raises(ConfigError, match="train.fsdp"):
+        config_from_dict({**MINIMAL, "train": {"fsdp": "yes please"}})
+
+
 @pytest.mark.parametrize(
     ("override", "key"),
     [("train.stepz=3", "train.stepz"), ("trian.steps=3", "trian"), ("lora.extra.deep=1", "lora.extra")],

@@ -261,6 +261,12 @@ class TrainConfig(Section):
         "that failed on every sample) after which the run stops with the first errors shown.",
     )
 
+    @field_validator("fsdp", mode="before")
+    @classmethod
+    def yaml_on_off(cls, value: Any) -> Any:
+        # YAML 1.1 reads a bare `on` / `off` as a boolean: `fsdp: on` in a job file means "on".
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
     @field_validator("betas")
     @classmethod
     def validate_betas(cls, betas: tuple[float, float]) -> tuple[float, float]:

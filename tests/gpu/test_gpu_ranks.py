@@ -38,3 +38,29 @@ def test_fsdp_rank_on_the_gpu_trains_the_same_adapter_as_the_plain_learner(
         torch.testing.assert_close(fsdp[k], plain[k], rtol=0, atol=max(2e-3 * moved, 1e-5))
     for key in ("loss/policy", "policy/grad_norm", "learner/tokens"):
         assert m2[key] == pytest.approx(m1[key], rel=2e-2, abs=1e-4), key
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_two_fsdp_ranks_on_two_gpus_train_the_same_adapter_as_one_rank(
+    tiny_model: Path,
+    color_data: Path,
+    tmp_path: Path,
+    run_learner_ranks: Callable[..., Any],
+    rank_job: Callable[..., dict],
+) -> None:
+    """2 ranks (one per GPU, nccl, FSDP2) split the step's sequences by tokens and all-reduce with the global
+    normalisers: the adapter after two steps is the one a single rank trains on the whole batch."""
+    raw = rank_job(tiny_model, color_data, lr=1e-3, dtype="bfloat16", gradient_checkpointing=True)
+    one, m1 = run_learner_ranks(raw, 1, tmp_path / "one", steps=2, device="cuda")
+    two, m2 = run_learner_ranks(raw, 2, tmp_path / "two", fsdp=True, steps=2, device="cuda")
+    still, _ = run_learner_ranks(
+        {**raw, "train": {**raw["train"], "lr": 1e-12}}, 1, tmp_path / "still", device="cuda"
+    )
+    assert one.keys() == two.keys() and len(one) > 0
+    moved = max((one[k] - still[k]).abs().max().item() for k in one)
+    assert moved > 1e-4
+    for k in one:
+        # bf16: two ranks sum their halves' gradients in another order than one rank does
+        torch.testing.assert_close(two[k], one[k], rtol=0, atol=max(4e-3 * moved, 1e-5))
+    assert m2["learner/tokens"] == pytest.approx(m1["learner/tokens"])  # the global count, not rank 0's share
+    assert m2["loss/policy"] == pytest.approx(m1["loss/policy"], rel=2e-2, abs=1e-4)
