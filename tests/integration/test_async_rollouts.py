@@ -86,6 +86,29 @@ def test_a_checkpoint_between_async_steps_resumes_exactly(
     assert len({x["reward/mean"] for x in straight}) > 1  # the steps differ: the comparison can fail
 
 
+def test_dynamic_sampling_rounds_run_in_the_background_with_one_version(
+    pretrained_tiny_model: Path, color_data: Path, tmp_path: Path
+) -> None:
+    """DAPO's dynamic sampling inside the prefetch: every extra round of a step's batch is sampled in the
+    background thread with the same (stale) adapter, so the batch stays one version behind, the guard scores
+    all of it under that version, and only groups whose rewards differ are trained on."""
+    from visionrl.orchestrate.loop import train
+
+    over = {
+        "rollout": {"engine": "hf", "prompts_per_step": 4},
+        "algorithm": {"dynamic_sampling": True, "max_sampling_rounds": 3},
+        "train": {"steps": 5},
+    }
+    h = train(_cfg(pretrained_tiny_model, color_data, tmp_path / "run", **over)).history
+    assert [x["step"] for x in h] == [1, 2, 3, 4, 5]
+    assert all(1.0 <= x["rollout/sampling_rounds"] <= 3.0 for x in h)
+    assert any(x["rollout/sampling_rounds"] > 1.0 for x in h), "no step needed a second round: nothing tested"
+    assert all(0.0 < x["rollout/groups_kept"] <= 4.0 for x in h)  # the base answers colours: groups differ
+    assert [x["rollout/staleness"] for x in h] == [0.0, 1.0, 1.0, 1.0, 1.0]
+    # several rounds, one version: the learner's log-probs under it match the engine's (float32: ~1e-6)
+    assert all(x["rollout/logprob_diff"] < 1e-3 for x in h), [x["rollout/logprob_diff"] for x in h]
+
+
 # The same job with rollout.async_steps=0, measured 2026-12-01 (benchmarks/NOTES-async.md): held-out accuracy
 # 0.41 / 0.50 / 0.50 / 0.48 / 0.50 at steps 20-100 (chance 0.25), mean reward 0.21 -> 0.52. The async run of that
 # day: 0.42 / 0.50 / 0.50 / 0.52 / 0.62, reward 0.21 -> 0.60. Evaluations swing by about 0.1 (64 records).

@@ -92,6 +92,32 @@ def test_dead_or_hung_engines_and_reward_workers_are_restarted_and_the_step_retr
     assert stuck in log
 
 
+def test_an_engine_that_dies_while_collecting_the_next_batch_is_restarted_and_the_batch_collected(
+    tiny_model: Path, color_data: Path, tmp_path: Path, inject
+) -> None:
+    """rollout.async_steps=1: engine 0's 2nd generate call is step 2's batch, collected in the background while
+    the learner trains step 1. The engine dies there; the collecting thread restarts it and gives it the
+    learner's adapter (the version before or after that update, whichever the learner answers with first),
+    and the batch is retried. Every sequence is labelled with the version that sampled it: the guard agrees
+    with the engine, and the run ends normally with every step done once."""
+    from visionrl.orchestrate.loop import train
+
+    fired = inject("kill_engine")
+    over = {"rollout": {"async_steps": 1}, "logging": {"save_every": 100}, "train": {"steps": 3}}
+    result = train(_cfg(tiny_model, color_data, tmp_path / "run", **over))
+    assert (fired / "kill_engine.fired").is_file(), "kill_engine never fired: the test tests nothing"
+    history = _history(tmp_path / "run")
+    assert [h["step"] for h in history] == [1, 2, 3] and result.steps == 3
+    # the restart happened during step 1 (its prefetch), which is logged after the batch in flight arrived
+    assert [h["faults/actor_restarts"] for h in history] == [1.0, 1.0, 1.0]
+    assert history[1]["rollout/adapter_version"] in (0.0, 1.0)  # re-synced before or after step 1's update
+    assert all(0.0 <= h["rollout/staleness"] <= 1.0 for h in history)
+    assert all(h["rollout/logprob_diff"] < 1e-3 for h in history), [h["rollout/logprob_diff"] for h in history]
+    log = (tmp_path / "run" / "visionrl.log").read_text()
+    assert "restarting the rollout engine 0 (restart 1 of ray.max_actor_restarts=3)" in log
+    assert "rollout engine 0 serves adapter version" in log and "again (verified)" in log
+
+
 def test_without_restarts_a_dead_engine_stops_the_run_naming_it(
     tiny_model: Path, color_data: Path, tmp_path: Path, inject
 ) -> None:
