@@ -112,7 +112,9 @@ def test_an_engine_that_dies_while_collecting_the_next_batch_is_restarted_and_th
     assert [h["faults/actor_restarts"] for h in history] == [1.0, 1.0, 1.0]
     assert history[1]["rollout/adapter_version"] in (0.0, 1.0)  # re-synced before or after step 1's update
     assert all(0.0 <= h["rollout/staleness"] <= 1.0 for h in history)
-    assert all(h["rollout/logprob_diff"] < 1e-3 for h in history), [h["rollout/logprob_diff"] for h in history]
+    assert all(h["rollout/logprob_diff"] < 1e-3 for h in history), [
+        h["rollout/logprob_diff"] for h in history
+    ]
     log = (tmp_path / "run" / "visionrl.log").read_text()
     assert "restarting the rollout engine 0 (restart 1 of ray.max_actor_restarts=3)" in log
     assert "rollout engine 0 serves adapter version" in log and "again (verified)" in log
