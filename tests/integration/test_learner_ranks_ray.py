@@ -190,11 +190,14 @@ def test_two_engines_take_whole_groups_and_serve_every_adapter_version(
     assert "; engine 0 {'node': " in line and "; engine 1 {'node': " in line and "'gpus': []" in line
 
 
-def test_only_rank_0_writes_the_adapter_files(tiny_model: Path, color_data: Path, tmp_path: Path) -> None:
-    """`save_adapter` on rank 1 takes part (it builds the payload, a gather under FSDP) but writes nothing;
-    rank 0 writes exactly the payload's files, which peft's own loader reads."""
+def test_the_payload_of_any_rank_holds_the_adapter_files_peft_reads(
+    tiny_model: Path, color_data: Path, tmp_path: Path
+) -> None:
+    """Every rank builds the full-precision payload (a gather under FSDP); the driver writes rank 0's with
+    `write_adapter_files` (checkpoints, export), and peft's own loader reads exactly those files back."""
     from peft import PeftModel
 
+    from visionrl.adapter.files import write_adapter_files
     from visionrl.models.loader import load_base_model
     from visionrl.train.learner import Learner
     from visionrl.train.ranks import RankGroup
@@ -205,15 +208,17 @@ def test_only_rank_0_writes_the_adapter_files(tiny_model: Path, color_data: Path
         for name, p in learner.model.named_parameters():
             if "lora_B" in name:
                 p.fill_(0.25)
-    learner.save_adapter(tmp_path / "rank1")
-    assert not (tmp_path / "rank1").exists()
-    learner.ranks = RankGroup(rank=0, world=2)
-    learner.save_adapter(tmp_path / "rank0")
     payload = learner.adapter_payload(for_engine=False)
-    assert sorted(p.name for p in (tmp_path / "rank0").iterdir()) == sorted(payload.files)
-    for name, data in payload.files.items():
-        assert (tmp_path / "rank0" / name).read_bytes() == data
+    folder = write_adapter_files(tmp_path / "adapter", payload.files)
+    assert (
+        sorted(p.name for p in folder.iterdir())
+        == sorted(payload.files)
+        == [
+            "adapter_config.json",
+            "adapter_model.safetensors",
+        ]
+    )
     base = load_base_model(str(tiny_model), "float32", torch.device("cpu"), "sdpa")
-    model = PeftModel.from_pretrained(base, str(tmp_path / "rank0"))
+    model = PeftModel.from_pretrained(base, str(folder))
     b = [p for n, p in model.named_parameters() if "lora_B" in n]
     assert b and all(bool((p == 0.25).all()) for p in b)

@@ -97,6 +97,7 @@ def test_the_learner_applies_the_jobs_optimizer_settings_after_loading(
 ) -> None:
     """Loading optimizer state restores the saved rates (torch keeps them in the state): the learner then sets
     the job's. Constant schedule without warm-up: the factor is 1, so each group's rate is its base rate."""
+    from visionrl.adapter.files import write_adapter_files
     from visionrl.train.learner import Learner
 
     def cfg(**train: object) -> JobConfig:
@@ -108,7 +109,7 @@ def test_the_learner_applies_the_jobs_optimizer_settings_after_loading(
         )
 
     saved = Learner(cfg(lr=1e-3), device="cpu")
-    saved.save_adapter(tmp_path / "adapter")
+    write_adapter_files(tmp_path / "adapter", saved.adapter_payload(for_engine=False).files)
     state = saved.state_dict()["trainer_state"]
     resumed = Learner(cfg(lr=2e-3, lm_head_lr=4e-3, betas=[0.8, 0.9], weight_decay=0.1), device="cpu")
     resumed.load_state(tmp_path / "adapter", state)

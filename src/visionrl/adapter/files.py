@@ -21,7 +21,7 @@ from visionrl.types import ADAPTER_CONFIG, ADAPTER_FILES, ADAPTER_WEIGHTS
 __all__ = [
     "ADAPTER_CONFIG", "ADAPTER_FILES", "ADAPTER_WEIGHTS", "MANIFEST_NAME", "ExportError", "check_weights_open",
     "has_adapter_files", "read_adapter_config", "read_json_object", "read_safetensors_header",
-    "require_plain_lora", "target_regex", "targets_vision",
+    "require_plain_lora", "target_regex", "targets_vision", "write_adapter_files",
 ]  # fmt: skip
 
 MANIFEST_NAME = "visionrl_manifest.json"
@@ -123,3 +123,14 @@ def require_plain_lora(adapter_config: dict[str, Any], where: str | os.PathLike[
             f"{where} sets {', '.join(unsupported)}, which local evaluation does not support; "
             "save the adapter with plain LoRA layers (one rank and alpha, no modules_to_save)"
         )
+
+
+def write_adapter_files(folder: Path, files: dict[str, bytes]) -> Path:
+    """The adapter's files (e.g. a learner's `adapter_payload(for_engine=False).files`) in `folder`, each
+    written to a new file renamed over the old one: a reader may still map the old (docs/ENGINE_NOTES.md)."""
+    from visionrl.files import atomic_write
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, data in files.items():
+        atomic_write(folder / name, data)
+    return folder

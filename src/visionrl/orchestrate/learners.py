@@ -1,7 +1,6 @@
 """The learner ranks seen by the loop as one learner.
 
-Every Learner method the loop uses (train_step, adapter_payload, probe_payload, state_dict, load_state,
-save_adapter) holds collectives when there are several ranks (summed gradients and metrics; with FSDP the
+Every Learner method the loop uses (train_step, adapter_payload, probe_payload, state_dict, load_state) holds collectives when there are several ranks (summed gradients and metrics; with FSDP the
 gathered adapter and optimizer state), so each call goes to every rank at once, under one deadline, and rank 0's
 result stands for the group (the others return None: `LearnerActor.call`). A rank that fails or hangs is named
 by its index; the learner is never restarted (its optimizer state lives only there), so the run stops with the

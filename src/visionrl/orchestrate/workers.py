@@ -27,7 +27,6 @@ from visionrl.data.lengths import fit_to_engine
 from visionrl.data.prompts import build_prompt
 from visionrl.data.sampler import draw_samples
 from visionrl.errors import RunError, StorageError, storage_errors
-from visionrl.files import atomic_write
 from visionrl.models.loader import load_processor
 from visionrl.orchestrate.failures import resume_hint
 from visionrl.orchestrate.learners import CALL_KEY, LearnerGroup
@@ -389,6 +388,7 @@ class Workers:
         """Write the run's adapter (the learner's, full precision, as in checkpoints) and its manifest, last. The
         driver writes it, as it writes checkpoints, so it lands in output_dir whichever node the learner is on. A
         full or unwritable disk: StorageError with the checkpoint to continue from (which exports again)."""
+        from visionrl.adapter.files import write_adapter_files
         from visionrl.adapter.manifest import MANIFEST_NAME, build_manifest, write_manifest
         from visionrl.adapter.storage import filesystem
 
@@ -397,12 +397,9 @@ class Workers:
         try:
             kept = "No manifest was written, so no reader takes this export."
             with storage_errors(adapter_dir, sum(len(data) for data in files.values()), kept=kept):
-                adapter_dir.mkdir(parents=True, exist_ok=True)
-                (adapter_dir / MANIFEST_NAME).unlink(
-                    missing_ok=True
-                )  # an old manifest never vouches for new files
-                for name, data in files.items():
-                    atomic_write(adapter_dir / name, data)
+                # an old manifest never vouches for new files
+                (adapter_dir / MANIFEST_NAME).unlink(missing_ok=True)
+                write_adapter_files(adapter_dir, files)
             eval_results = {"accuracy": accuracy} if accuracy is not None else None
             manifest = build_manifest(
                 adapter_dir,

@@ -27,7 +27,6 @@ from visionrl.algo import aggregate, kl_penalty, masked_mean, policy_loss, rollo
 from visionrl.config import JobConfig
 from visionrl.data.images import ImageBudget
 from visionrl.errors import NonFiniteError
-from visionrl.files import atomic_write
 from visionrl.models.loader import (
     apply_lora,
     load_base_model,
@@ -452,18 +451,6 @@ class Learner:
         return False
 
     # ------------------------------------------------------------------ adapter out
-    def save_adapter(self, path: str | Path) -> Path:
-        """The PEFT adapter files (full precision) in `path`. Every rank calls it (with FSDP the weights are
-        gathered); only rank 0 writes, so ranks on one node or a shared file system never write one file twice."""
-        path = Path(path)
-        payload = self.adapter_payload(for_engine=False)  # the LoRA weights only, as peft would save them
-        if self.ranks.rank == 0:
-            path.mkdir(parents=True, exist_ok=True)
-            # Each file replaced by a new one: a reader may still map the old (docs/ENGINE_NOTES.md).
-            for name, data in payload.files.items():
-                atomic_write(path / name, data)
-        return path
-
     def adapter_payload(self, for_engine: bool = True) -> AdapterPayload:
         """The current adapter as file bytes: for engines (possibly on other nodes), or in full precision
         (`for_engine=False`) for checkpoints. Built in memory, no disk: the per-step sync is on the hot path.
