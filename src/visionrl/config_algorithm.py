@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from visionrl.config_yaml import Section
 
@@ -44,6 +44,13 @@ class AlgorithmConfig(Section):
         3, ge=1, description="With dynamic_sampling: batches of prompts sampled per step, at most."
     )
     updates_per_batch: int = Field(1, ge=1, description="Optimizer steps per rollout batch (mini-batches).")
+    old_logprobs: Literal["learner", "engine"] = Field(
+        "learner",
+        description="The old policy of the ratio. learner: the learner's own log-probs before the step's first "
+        "update (a no-grad pass over the mini-batches after the first; the first is on-policy, ratio 1); engine: "
+        "the engine's sampling log-probs, which skips that pass (the ratio then also carries the engine/learner "
+        "mismatch, so rollout_correction must be off).",
+    )
     loss: Literal["ppo", "gspo", "cispo", "sapo"] = Field(
         "ppo",
         description="Policy loss: ppo (token ratio, clipped), gspo (sequence ratio, clipped; use a small clip "
@@ -83,3 +90,13 @@ class AlgorithmConfig(Section):
     def auto_correction_off_from_yaml_false(cls, value: Any) -> Any:
         # YAML 1.1 reads a bare `off` as false: `rollout_correction: off` means the option named "off".
         return "off" if value is False else value
+
+    @model_validator(mode="after")
+    def engine_old_logprobs_need_no_correction(self) -> AlgorithmConfig:
+        if self.old_logprobs == "engine" and self.rollout_correction != "off":
+            raise ValueError(
+                "algorithm.old_logprobs=engine takes the engine's sampling log-probs as the old policy, so the "
+                "ratio already corrects for the engine; the rollout-correction weights (learner old over engine) "
+                f"have nothing to compare: set algorithm.rollout_correction=off (it is {self.rollout_correction!r})"
+            )
+        return self

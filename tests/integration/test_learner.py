@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from PIL import Image
 
 from visionrl.config import JobConfig, config_from_dict
+from visionrl.config_yaml import ConfigError
 from visionrl.data import load_dataset
 from visionrl.data.prompts import build_prompt
 from visionrl.train.batching import Sequence
@@ -307,3 +309,46 @@ def test_a_non_finite_update_is_not_applied(tiny_model: Path, color_data: Path) 
     with pytest.raises(NonFiniteError, match=r"non-finite loss \(nan\).*train\.on_nonfinite=stop"):
         strict.train_step(poisoned)
     assert strict.version == 0 and not strict.optimizer.state
+
+
+def test_engine_old_logprobs_skip_the_old_pass_and_set_the_ratio(tiny_model: Path, color_data: Path) -> None:
+    """algorithm.old_logprobs=engine: no no-grad pass at all, and every mini-batch's ratio is against the
+    engine's sampling log-probs. Here they are the learner's own minus log 2, so mini-batch 1 (rows 0 and 1,
+    before any update) has ratio r = 2 on every token. Per token the loss is -min(r A, clip(r, 0.8, 1.2) A):
+    row 0 (A = +1, 2 tokens) takes the clipped -1.2 each (clipped); row 1 (A = -1, 1 token) the unclipped
+    -(-2) = 2. Token mean over the 3 tokens: (-2.4 + 2) / 3 = -0.1333; clip fraction 2/3."""
+    algo = {"updates_per_batch": 3, "old_logprobs": "engine", "rollout_correction": "off"}
+    algo |= {"clip_low": 0.2, "clip_high": 0.2}
+    learner = Learner(_cfg(tiny_model, color_data, algorithm=algo), device="cpu")
+    batch = _batch(learner, color_data)
+    for seq, lps in zip(batch.sequences, learner.logprobs(batch), strict=True):
+        seq.sampling_logprobs = [lp - math.log(2.0) for lp in lps]
+    passes: list[list[int]] = []
+    real = learner._precompute
+
+    def spy(encoded, seqs, rows, adapter):  # type: ignore[no-untyped-def]
+        passes.append(sorted(rows))
+        return real(encoded, seqs, rows, adapter)
+
+    learner._precompute = spy  # type: ignore[method-assign]
+    firsts: list[dict[str, float]] = []
+    real_update = learner._update
+
+    def spy_update(*args):  # type: ignore[no-untyped-def]
+        out = real_update(*args)
+        firsts.append(out)
+        return out
+
+    learner._update = spy_update  # type: ignore[method-assign]
+    metrics = learner.train_step(batch)
+    assert passes == []  # no old-log-prob pass (and no reference pass: kl_coef 0)
+    assert len(firsts) == 3
+    assert firsts[0]["loss/policy"] == pytest.approx(-0.4 / 3, abs=1e-5)
+    assert firsts[0]["policy/clip_fraction"] == pytest.approx(2 / 3, abs=1e-6)
+    # the mismatch measure still compares learner and engine before the first update: log 2 per token
+    assert metrics["rollout/logprob_diff"] == pytest.approx(math.log(2.0), abs=1e-4)
+
+
+def test_engine_old_logprobs_with_rollout_correction_are_refused(tiny_model: Path, color_data: Path) -> None:
+    with pytest.raises(ConfigError, match=r"set algorithm.rollout_correction=off \(it is 'token'\)"):
+        _cfg(tiny_model, color_data, algorithm={"old_logprobs": "engine"})

@@ -201,14 +201,16 @@ class Learner:
         n_updates = min(algo.updates_per_batch, len(groups))
         minis = [[r for g in groups[u::n_updates] for r in g] for u in range(n_updates)]
         # Old log-probs only where the policy has moved: the first mini-batch is trained on-policy (old = the
-        # detached current log-probs, ratio exactly 1); later ones need the log-probs from before any update.
+        # detached current log-probs, ratio exactly 1); later ones need the log-probs from before any update
+        # (algorithm.old_logprobs=engine: the engine's sampling log-probs for every mini-batch, no pass).
         # With several learner ranks each computes and trains on its shard of every mini-batch (train.ranks).
         seqs = batch.sequences
         lengths = [len(encoded[s.prompt].input_ids) + len(s.completion_ids) for s in seqs]
         shards = [self.ranks.mine(rows, lengths) for rows in minis]
         t1 = time.perf_counter()
         later = [r for rows in shards[1:] for r in rows]
-        old = self._precompute(encoded, seqs, later, adapter=True) if len(minis) > 1 else None
+        own_old = len(minis) > 1 and algo.old_logprobs == "learner"  # engine: the sampling log-probs instead
+        old = self._precompute(encoded, seqs, later, adapter=True) if own_old else None
         t2 = time.perf_counter()
         ref = None
         if algo.kl_coef > 0:
@@ -367,9 +369,12 @@ class Learner:
         for mb in mbs:
             mask = mb.completion_mask.to(self.device)
             lp, entropy = self._stats(mb)
-            old_lp = self._gather(old, mb)
-            old_lp = lp.detach() if old_lp is None else old_lp  # on-policy: ratio 1, gradient of A * lp
             samp = mb.sampling_logprobs.to(self.device)
+            old_lp = self._gather(old, mb)
+            if (
+                old_lp is None
+            ):  # learner: on-policy, ratio 1, gradient of A * lp; engine: its sampling log-probs
+                old_lp = samp if algo.old_logprobs == "engine" else lp.detach()
             weights, cm = self._correction(old_lp, samp, mask)
             loss, pm = policy_loss(
                 lp,
