@@ -235,6 +235,12 @@ class TrainConfig(Section):
         description="Encode each distinct image of a learner micro-batch once (a group's completions share "
         "their prompt's images) instead of once per completion.",
     )
+    compile: bool = Field(
+        False,
+        description="torch.compile each decoder layer of the language model (dynamic shapes: one compilation "
+        "for every micro-batch length), fusing the elementwise work around the matmuls; the first step pays "
+        "the compilation. Not applied with FSDP2 (train.fsdp), where it is not measured yet.",
+    )
     fsdp: Literal["auto", "on", "off"] = Field(
         "auto",
         description="Shard base model and LoRA over the learner ranks with FSDP2. auto: when the learner runs on "

@@ -352,3 +352,20 @@ def test_engine_old_logprobs_skip_the_old_pass_and_set_the_ratio(tiny_model: Pat
 def test_engine_old_logprobs_with_rollout_correction_are_refused(tiny_model: Path, color_data: Path) -> None:
     with pytest.raises(ConfigError, match=r"set algorithm.rollout_correction=off \(it is 'token'\)"):
         _cfg(tiny_model, color_data, algorithm={"old_logprobs": "engine"})
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
+def test_compiled_decoder_layers_give_the_eager_gradient(tiny_model: Path, color_data: Path) -> None:
+    """train.compile: every decoder layer runs through torch.compile (inductor on the CPU here), and the
+    gradient of a batch of completions of different lengths (one graph for all lengths) is the eager one."""
+    eager = Learner(_cfg(tiny_model, color_data), device="cpu")
+    compiled = Learner(_cfg(tiny_model, color_data, train={"compile": True}), device="cpu")
+    layers = compiled.model.get_base_model().model.language_model.layers
+    assert len(layers) > 0 and all(layer._compiled_call_impl is not None for layer in layers)
+    batch = _batch(eager, color_data)
+    want, got = _accumulated_grads(eager, batch), _accumulated_grads(compiled, batch)
+    assert want.keys() == got.keys() and len(want) > 0
+    for name, g in want.items():
+        torch.testing.assert_close(got[name], g, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    assert max(float(g.abs().max()) for g in want.values()) > 1e-3  # real gradients: the comparison can fail

@@ -43,7 +43,7 @@ from visionrl.train.batching import (
     collate,
     plan_micro_batches,
 )
-from visionrl.train.forward import SharedImages, completion_stats
+from visionrl.train.forward import SharedImages, compile_decoder_layers, completion_stats
 from visionrl.train.mismatch import (
     AdapterSnapshot,
     abs_diff_sums,
@@ -84,6 +84,8 @@ class Learner:
             self._checkpoint_layers(cfg.model.checkpoint_layers)
         if self.ranks.fsdp:
             shard_model(base, self.device.type, self.ranks.world)
+        if cfg.train.compile:
+            compile_decoder_layers(self.model, sharded=self.ranks.fsdp)
         self._shared = SharedImages(base.model.visual)
         self._merge_size = int(getattr(self.processor.image_processor, "merge_size", 2))
         self.forbidden = torch.tensor(vision_token_ids(base.config, self.processor), dtype=torch.long)
