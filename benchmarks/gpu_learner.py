@@ -120,6 +120,8 @@ def make_batch(learner, args: argparse.Namespace, spread: bool):
 def configure(learner, variant: dict[str, Any]) -> None:
     for k, v in variant.get("train", {}).items():
         setattr(learner.cfg.train, k, v)
+    for k, v in variant.get("algorithm", {}).items():
+        setattr(learner.cfg.algorithm, k, v)
     if "ckpt" in variant:
         n = variant["ckpt"]
         if n == "half":
@@ -161,13 +163,10 @@ def vision_tower(learner, args: argparse.Namespace, n_images: int) -> dict[str, 
     with torch.no_grad():
         for label, fn in (
             ("vision_forward_ms", lambda: visual(px, grid_thw=grid)),
-            ("patch_embed_conv3d_ms", lambda: visual.patch_embed(px)),
-            (
-                "patch_embed_matmul_ms",
-                lambda: (
-                    px @ visual.patch_embed.proj.weight.reshape(visual.patch_embed.proj.weight.shape[0], -1).T
-                ),
-            ),
+            # the loader runs the patch embedding as a matmul (visionrl.models.patch_embed); the class's own
+            # forward is the Conv3d
+            ("patch_embed_conv3d_ms", lambda: type(visual.patch_embed).forward(visual.patch_embed, px)),
+            ("patch_embed_matmul_ms", lambda: visual.patch_embed(px)),
         ):
             fn()
             _sync()
@@ -200,9 +199,18 @@ def main() -> None:
         help="only the no-recompute settings on equal and spread completion lengths; adds their rows to the "
         "results file as `layout` (the rows' layout: all padding at the end, no attention mask)",
     )
+    p.add_argument(
+        "--next-levers",
+        action="store_true",
+        help="only the levers after the shipped setting (no recompute, micro-batch 8192): the engine's log-probs "
+        "as the old policy, then compiled decoder layers; adds their rows to the results file as `next_levers`",
+    )
     args = p.parse_args()
     if args.layout_only:
         layout_rows(args)
+        return
+    if args.next_levers:
+        next_lever_rows(args)
         return
     from visionrl.train.learner import Learner
 
@@ -322,6 +330,60 @@ def layout_rows(args: argparse.Namespace) -> None:
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "what": "rows [prompt | completion | pad], no attention mask (train.batching); "
         "no-grad passes at max(16384, micro_batch_tokens) tokens",
+        "rows": rows,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+
+
+NEXT_LEVERS: list[dict[str, Any]] = [
+    {"name": "shipped: no recompute, micro-batch 8192", "ckpt": 0, "train": {"micro_batch_tokens": 8192}},
+    {
+        "name": "+ engine log-probs as the old policy (no old-log-prob pass)",
+        "algorithm": {
+            "rollout_correction": "off",
+            "old_logprobs": "engine",
+        },  # in this order: each is validated
+    },
+    {"name": "+ compiled decoder layers", "compile": True},
+]
+
+
+def next_lever_rows(args: argparse.Namespace) -> None:
+    """The levers of benchmarks/NOTES-gpu-learner.md's CPU-only session, each on top of the one before, on equal
+    and spread completion lengths; the compiled variant's first step (the compilation) is timed apart."""
+    from visionrl.train.forward import compile_decoder_layers
+    from visionrl.train.learner import Learner
+
+    device = "cpu" if args.smoke else "cuda"
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = shaped_checkpoint(Path(tmp), args)
+        learner = Learner(job(model_dir, args), device=device)
+        equal, spread = make_batch(learner, args, spread=False), make_batch(learner, args, spread=True)
+        configure(learner, VARIANTS[0])
+        learner.train_step(equal)  # warm-up
+        for v in NEXT_LEVERS:
+            configure(learner, v)
+            if v.get("compile"):
+                compile_decoder_layers(learner.model)
+                first = timed_step(learner, equal)
+                rows.append({"variant": f"{v['name']}: first step (compiles)", **first})
+            for name, batch in (("equal lengths", equal), ("lengths spread over [T/8, T]", spread)):
+                try:
+                    r = timed_step(learner, batch)
+                except torch.OutOfMemoryError:
+                    r = {"error": "out of memory"}
+                rows.append({"variant": f"{v['name']}, {name}", **r})
+                print(json.dumps(rows[-1]), flush=True)
+    if args.smoke:
+        return
+    path = Path(args.out) / "gpu_learner.json"
+    result = json.loads(path.read_text()) if path.exists() else {}
+    result["next_levers"] = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(0),
+        "versions": {"torch": torch.__version__},
         "rows": rows,
     }
     path.parent.mkdir(parents=True, exist_ok=True)
