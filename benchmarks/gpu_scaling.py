@@ -18,6 +18,8 @@ On a machine with two CUDA GPUs, vLLM and Ray, from the repository root:
         [--layouts 1gpu,colocated,split-async] [--work DIR] [--merge] [key=value ...]
 A 64 x 8 x 512 layout needs about 500 s (engine start included): one layout per call, `--work` keeps the
 checkpoint and data for the next call and `--merge` keeps the rows of the layouts not run now.
+On the CPU, `--smoke` runs the same code with small shapes, the HF engine and each layout's rank, engine and
+async keys (no GPUs: the placement keys are left out), and writes nothing: it checks the script.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     ),
 }
 COMMON = ["train.micro_batch_tokens=8192"]
+SMOKE_KEYS = ("ray.num_learners=", "rollout.num_engines=", "train.fsdp=", "rollout.async_steps=")
 
 
 class PerGpuMemory(GpuMemorySampler):
@@ -91,14 +94,30 @@ class PerGpuMemory(GpuMemorySampler):
                 self.per_process[name] = max(self.per_process.get(name, 0.0), float(used) / 1024)
 
 
+def layout_overrides(layout: str, smoke: bool) -> list[str]:
+    _, over = LAYOUTS[layout]
+    if smoke:  # CPU: the layout's ranks, engines and async steps, the light HF engine, no GPU keys
+        return ["rollout.engine=hf", *[o for o in over if o.startswith(SMOKE_KEYS)]]
+    return COMMON + over
+
+
 def run_layout(
-    layout: str, size: str, model: Path, data: Path, run: Path, steps: int, params: float, extra: list[str]
+    layout: str,
+    size: str,
+    model: Path,
+    data: Path,
+    run: Path,
+    steps: int,
+    params: float,
+    extra: list[str],
+    smoke: bool = False,
 ) -> dict[str, Any]:
     from visionrl.config import load_config
     from visionrl.orchestrate.loop import train
 
-    gpus, over = LAYOUTS[layout]
-    cfg = load_config(JOB, overrides_for(size, model, data, run, steps, False) + COMMON + over + list(extra))
+    gpus = LAYOUTS[layout][0]
+    over = layout_overrides(layout, smoke)
+    cfg = load_config(JOB, overrides_for(size, model, data, run, steps, smoke) + over + list(extra))
     with PerGpuMemory() as memory:
         result = train(cfg)
     row = measure(size, result.history, params, memory)
@@ -109,7 +128,7 @@ def run_layout(
         peak_gib_per_gpu={k: round(v, 2) for k, v in sorted(memory.per_gpu.items())},
         rollout_wait_s=_mean(result.history, "timing/rollout_wait_s"),
         staleness=_mean(result.history, "rollout/staleness"),
-        overrides=COMMON + over + list(extra),
+        overrides=over + list(extra),
     )
     print(json.dumps(row), flush=True)
     return row
@@ -147,6 +166,9 @@ def main() -> None:
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--merge", action="store_true", help="keep the rows of layouts not run now")
     p.add_argument("--work", default="", help="keep the checkpoint and data here (reused by a later call)")
+    p.add_argument(
+        "--smoke", action="store_true", help="CPU: small shapes, checks the script, writes nothing"
+    )
     p.add_argument("overrides", nargs="*", help="extra key=value overrides of the job file, for every layout")
     args = p.parse_args()
     layouts = [x for x in args.layouts.split(",") if x]
@@ -158,16 +180,23 @@ def main() -> None:
         work = Path(args.work or tmp)
         model, data = work / "qwen3vl-8b-shaped", work / "count448"
         if not (model / "config.json").exists():
-            build_model(model, smoke=False)
+            build_model(model, smoke=args.smoke)
         if not (data / "train.jsonl").exists():
             from visionrl.data.synthetic import make_dataset
 
-            make_dataset(data, "count", num_train=512, num_eval=0, seed=0, image_size=448)
+            size = 64 if args.smoke else 448
+            make_dataset(data, "count", num_train=512, num_eval=0, seed=0, image_size=size)
         params = _param_count(model)
         rows = [
-            run_layout(x, args.size, model, data, work / f"run-{x}", args.steps, params, args.overrides)
+            run_layout(
+                x, args.size, model, data, work / f"run-{x}", args.steps, params, args.overrides, args.smoke
+            )
             for x in layouts
         ]
+    if args.smoke:
+        compare(rows)
+        print_table(rows)
+        return
     path = Path(args.out) / "gpu_scaling.json"
     if args.merge and path.exists():
         rows = [r for r in json.loads(path.read_text())["results"] if r["layout"] not in layouts] + rows

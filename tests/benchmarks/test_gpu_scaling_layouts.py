@@ -19,10 +19,10 @@ import gpu_scaling
 GPU = {"GPU": 1.0, "CPU": 0.001}
 
 
-def _job(layout: str, tmp_path: Path):  # type: ignore[no-untyped-def]
-    _, over = gpu_scaling.LAYOUTS[layout]
-    base = gpu_scaling.overrides_for("64x8x512", tmp_path / "m", tmp_path / "d", tmp_path / "r", 2, False)
-    return load_config(gpu_scaling.JOB, base + gpu_scaling.COMMON + over)
+def _job(layout: str, tmp_path: Path, smoke: bool = False):  # type: ignore[no-untyped-def]
+    over = gpu_scaling.layout_overrides(layout, smoke)
+    base = gpu_scaling.overrides_for("64x8x512", tmp_path / "m", tmp_path / "d", tmp_path / "r", 2, smoke)
+    return load_config(gpu_scaling.JOB, base + over)
 
 
 def _plan(cfg):  # type: ignore[no-untyped-def]
@@ -64,3 +64,16 @@ def test_speed_up_and_efficiency_are_against_the_one_gpu_row() -> None:
     assert rows[1]["step_speedup_vs_1gpu"] == pytest.approx(1.5)
     assert rows[1]["scaling_efficiency"] == pytest.approx(0.75)
     assert rows[0]["scaling_efficiency"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("layout", list(gpu_scaling.LAYOUTS))
+def test_the_cpu_smoke_run_keeps_each_layouts_ranks_engines_and_async_steps(
+    layout: str, tmp_path: Path
+) -> None:
+    gpu, cpu = _job(layout, tmp_path), _job(layout, tmp_path, smoke=True)
+    assert (cpu.ray.num_learners, cpu.rollout.num_engines, cpu.rollout.async_steps) == (
+        gpu.ray.num_learners,
+        gpu.rollout.num_engines,
+        gpu.rollout.async_steps,
+    )
+    assert cpu.ray.learner_gpus == 0 and cpu.rollout.gpus_per_engine == 0 and cpu.rollout.engine == "hf"
