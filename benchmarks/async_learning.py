@@ -2,13 +2,15 @@
 
 The job of `tests/integration/test_async_rollouts.py::test_the_colour_task_is_learned_with_async_rollouts`
 (the pretrained tiny Qwen3-VL, 32 prompts x 8, the vLLM CPU engine, LoRA on the LM, merger and lm_head),
-run with `rollout.async_steps` 0 and 1 for each seed (`train.seed`: LoRA init, data order, sampling) and each
+run with `rollout.async_steps` 0 and 1 (and, as `async-engine-old`, 1 with the engine's log-probs as the PPO
+ratio's old policy) for each seed (`train.seed`: LoRA init, data order, sampling) and each
 learning-rate schedule. Per run: held-out greedy accuracy every `--eval-every` steps (64 records, chance 0.25),
 the mean reward of the first and last 5 steps, the last 5 steps' policy entropy, and whether the run collapsed
 (last 5 steps: mean reward at most 0.3 and entropy below 0.2, i.e. one answer for every image). Prints a table
 and writes benchmarks/results/async_learning.json; benchmarks/NOTES-async.md has the prediction and outcome.
 
-    .venv/bin/python benchmarks/async_learning.py [--seeds 1,2] [--schedules constant] [--steps 100]
+    .venv/bin/python benchmarks/async_learning.py [--seeds 1,2] [--schedules constant] [--variants sync,async]
+        [--steps 100] [--out DIR]   (the results file is replaced: name another --out to keep one)
 """
 
 from __future__ import annotations
@@ -22,18 +24,27 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+# what is compared: the synchronous run, the one-step-off run, and the one-step-off run whose PPO ratio is taken
+# against the engine's sampling log-probs (the stale policy) instead of the learner's current one
+VARIANTS: dict[str, dict[str, Any]] = {
+    "sync": {"async_steps": 0, "algorithm": {}},
+    "async": {"async_steps": 1, "algorithm": {}},
+    "async-engine-old": {
+        "async_steps": 1,
+        "algorithm": {"rollout_correction": "off", "old_logprobs": "engine"},
+    },
+}
 SCHEDULES = {
     "constant": {"lr_schedule": "constant"},
     "cosine": {"lr_schedule": "cosine", "warmup_steps": 5, "min_lr_ratio": 0.1},  # the demo's
 }
 
 
-def run(
-    model: Path, data: Path, out: Path, seed: int, schedule: str, async_steps: int, steps: int, every: int
-):
+def run(model: Path, data: Path, out: Path, seed: int, schedule: str, variant: str, steps: int, every: int):
     from visionrl.config import config_from_dict
     from visionrl.orchestrate.loop import train
 
+    async_steps, algorithm = VARIANTS[variant]["async_steps"], VARIANTS[variant]["algorithm"]
     cfg = config_from_dict(
         {
             "output_dir": str(out),
@@ -46,7 +57,7 @@ def run(
             },
             "rewards": [{"name": "exact_match", "kwargs": {"first_word": True}}],
             "lora": {"rank": 16, "alpha": 16, "train_merger": True, "train_lm_head": True},
-            "algorithm": {"group_size": 8},
+            "algorithm": {"group_size": 8, **algorithm},
             "rollout": {
                 "prompts_per_step": 32,
                 "max_new_tokens": 2,
@@ -65,6 +76,7 @@ def run(
     return {
         "seed": seed,
         "schedule": schedule,
+        "variant": variant,
         "async_steps": async_steps,
         "accuracy": [h["eval/accuracy"] for h in history if h.get("eval/accuracy") is not None],
         "reward_first5": mean(history[:5], "reward/mean"),
@@ -79,6 +91,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--seeds", default="1,2")
     p.add_argument("--schedules", default="constant", help=f"comma-separated, of {list(SCHEDULES)}")
+    p.add_argument("--variants", default="sync,async", help=f"comma-separated, of {list(VARIANTS)}")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--eval-every", type=int, default=20)
     p.add_argument("--out", default="benchmarks/results")
@@ -107,7 +120,7 @@ def main() -> None:
         acc = " ".join(f"{a:.2f}" for a in r["accuracy"])
         reward = f"{r['reward_first5']:.2f}->{r['reward_last5']:.2f}"
         print(
-            f"{r['schedule']:<10}{r['seed']:>5}{r['async_steps']:>6}  {acc:<34}{reward:>14}"
+            f"{r['schedule']:<10}{r['seed']:>5} {r['variant']:<17} {acc:<34}{reward:>14}"
             f"{r['entropy_last5']:>9.2f}  {r['collapsed']}"
         )
     path = Path(args.out) / "async_learning.json"
