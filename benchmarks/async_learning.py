@@ -96,6 +96,10 @@ def main() -> None:
     p.add_argument("--eval-every", type=int, default=20)
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args()
+    unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
+    unknown += [s for s in args.schedules.split(",") if s not in SCHEDULES]
+    if unknown:
+        p.error(f"unknown variant(s) or schedule(s): {unknown}")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from visionrl.data.synthetic import make_dataset
     from visionrl.models.tiny import build_tiny_model
@@ -107,14 +111,12 @@ def main() -> None:
         make_dataset(data, "color", num_train=256, num_eval=64, seed=0)
         for schedule in args.schedules.split(","):
             for seed in (int(s) for s in args.seeds.split(",")):
-                for async_steps in (0, 1):
-                    out = Path(tmp) / f"run-{schedule}-{seed}-{async_steps}"
-                    rows.append(
-                        run(model, data, out, seed, schedule, async_steps, args.steps, args.eval_every)
-                    )
+                for variant in args.variants.split(","):
+                    out = Path(tmp) / f"run-{schedule}-{seed}-{variant}"
+                    rows.append(run(model, data, out, seed, schedule, variant, args.steps, args.eval_every))
                     print(json.dumps(rows[-1]), flush=True)
     print(
-        f"\n{'schedule':<10}{'seed':>5}{'async':>6}  {'accuracy':<34}{'reward':>14}{'entropy':>9}  collapsed"
+        f"\n{'schedule':<10}{'seed':>5} {'variant':<17} {'accuracy':<34}{'reward':>14}{'entropy':>9}  collapsed"
     )
     for r in rows:
         acc = " ".join(f"{a:.2f}" for a in r["accuracy"])
