@@ -64,10 +64,22 @@ def test_a_stop_request_drops_the_batch_and_keeps_its_data_position() -> None:
         assert prefetch.take(4) is None
 
 
+ENGINE_OLD = ["algorithm.rollout_correction=off", "algorithm.old_logprobs=engine"]
+
+
 def test_colocated_gpus_get_a_warning_that_nothing_overlaps(caplog: pytest.LogCaptureFixture) -> None:
-    gpu = ["rollout.async_steps=1", "rollout.gpus_per_engine=0.5", "ray.learner_gpus=0.5"]
+    gpu = ["rollout.async_steps=1", "rollout.gpus_per_engine=0.5", "ray.learner_gpus=0.5", *ENGINE_OLD]
     with caplog.at_level(logging.WARNING, logger="visionrl.orchestrate.pipeline"):
-        warn_if_no_overlap(config_from_dict(apply_overrides(MINIMAL, ["rollout.async_steps=1"])))  # CPU
-        assert caplog.text == ""
+        warn_if_no_overlap(config_from_dict(apply_overrides(MINIMAL, ["rollout.async_steps=1", *ENGINE_OLD])))
+        assert caplog.text == ""  # CPU, the recommended old policy: nothing to say
         warn_if_no_overlap(config_from_dict(apply_overrides(MINIMAL, gpu)))
     assert "use ray.placement=split" in caplog.text
+
+
+def test_async_steps_with_the_learners_old_policy_are_warned_about(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="visionrl.orchestrate.pipeline"):
+        warn_if_no_overlap(config_from_dict(apply_overrides(MINIMAL, ["rollout.async_steps=0"])))
+        assert caplog.text == ""  # synchronous: the learner's old policy is the sampling one
+        warn_if_no_overlap(config_from_dict(apply_overrides(MINIMAL, ["rollout.async_steps=1"])))
+    assert "fell back to chance on 3 of 3 seeds" in caplog.text
+    assert "Set algorithm.old_logprobs=engine and algorithm.rollout_correction=off" in caplog.text

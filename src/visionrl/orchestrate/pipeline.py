@@ -36,7 +36,16 @@ T = TypeVar("T")
 
 def warn_if_no_overlap(cfg: JobConfig) -> None:
     """Engines colocated with the learner on the same GPUs share its device: rollouts and update then take turns
-    anyway, and async_steps only adds staleness."""
+    anyway, and async_steps only adds staleness. Also: one-step-off batches with the learner's own log-probs as
+    the old policy fell back to chance on 3 of 3 seeds where the engine's learned (benchmarks/NOTES-async.md)."""
+    if cfg.rollout.async_steps and cfg.algorithm.old_logprobs == "learner":
+        logger.warning(
+            "rollout.async_steps=%d with algorithm.old_logprobs=learner: the PPO clip then bounds each update "
+            "around the learner's current policy, not the one that sampled the stale batch; on the colour task "
+            "at a constant lr of 3e-3 such runs fell back to chance on 3 of 3 seeds, while with the engine's "
+            "log-probs all 3 learned. Set algorithm.old_logprobs=engine and algorithm.rollout_correction=off",
+            cfg.rollout.async_steps,
+        )
     if cfg.rollout.async_steps and cfg.ray.placement == "colocated" and cfg.rollout.gpus_per_engine > 0:
         logger.warning(
             "rollout.async_steps=%d with ray.placement=colocated on GPUs: engines and learner share the GPUs, so "
