@@ -5,7 +5,8 @@ visionrl's own loop in three layouts:
 - `1gpu`: one learner rank and one engine sharing GPU 0 (the one-GPU figures, measured in the same run);
 - `colocated`: 2 learner ranks sharded with FSDP2 over nccl + 2 engines, rank i and engine i on GPU i;
 - `split-async`: 1 engine GPU + 1 learner GPU, `rollout.async_steps: 1` (the engine generates the next batch
-  while the learner trains this one; vLLM's sleep mode is off, since nothing shares a GPU).
+  while the learner trains this one; vLLM's sleep mode is off, since nothing shares a GPU), with the engine's
+  log-probs as the old policy, as recommended for stale batches.
 
 Every layout starts from the best one-GPU settings measured so far (benchmarks/NOTES-gpu-learner.md): 8192-token
 micro-batches; colocated layouts sleep the engine during the update at 60% of the GPU; the split engine takes
@@ -67,13 +68,21 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
             "ray.learner_gpus=1",
             "rollout.gpus_per_engine=1",
             "rollout.async_steps=1",
+            "algorithm.rollout_correction=off",  # the recommended old policy for stale batches
+            "algorithm.old_logprobs=engine",  #   (benchmarks/NOTES-async.md)
             "rollout.sleep_during_update=false",
             "rollout.gpu_memory_utilization=0.85",
         ],
     ),
 }
 COMMON = ["train.micro_batch_tokens=8192"]
-SMOKE_KEYS = ("ray.num_learners=", "rollout.num_engines=", "train.fsdp=", "rollout.async_steps=")
+SMOKE_KEYS = (
+    "ray.num_learners=",
+    "rollout.num_engines=",
+    "train.fsdp=",
+    "rollout.async_steps=",
+    "algorithm.",
+)
 
 
 class PerGpuMemory(GpuMemorySampler):

@@ -56,6 +56,7 @@ def test_split_layout_gives_engine_and_learner_a_gpu_each_and_samples_one_step_a
     plan = _plan(cfg)
     assert plan.bundles == [] and (cfg.ray.learner_gpus, cfg.rollout.gpus_per_engine) == (1.0, 1.0)
     assert cfg.rollout.async_steps == 1 and not cfg.rollout.sleep_during_update
+    assert cfg.algorithm.old_logprobs == "engine" and cfg.algorithm.rollout_correction == "off"
 
 
 def test_speed_up_and_efficiency_are_against_the_one_gpu_row() -> None:
@@ -76,4 +77,5 @@ def test_the_cpu_smoke_run_keeps_each_layouts_ranks_engines_and_async_steps(
         gpu.rollout.num_engines,
         gpu.rollout.async_steps,
     )
+    assert cpu.algorithm.old_logprobs == gpu.algorithm.old_logprobs
     assert cpu.ray.learner_gpus == 0 and cpu.rollout.gpus_per_engine == 0 and cpu.rollout.engine == "hf"
