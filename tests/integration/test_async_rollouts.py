@@ -86,6 +86,29 @@ def test_a_checkpoint_between_async_steps_resumes_exactly(
     assert len({x["reward/mean"] for x in straight}) > 1  # the steps differ: the comparison can fail
 
 
+def test_async_steps_with_the_engines_old_policy_run_no_old_pass_and_no_correction(
+    pretrained_tiny_model: Path, color_data: Path, tmp_path: Path
+) -> None:
+    """The recommended one-step-off setting (benchmarks/NOTES-async.md): the ratio is against the engine's
+    sampling log-probs, so the learner runs no old-log-prob pass (2 updates per batch) and no correction
+    weights exist; the guard still scores each stale batch under its sampling version."""
+    from visionrl.orchestrate.loop import train
+
+    over = {
+        "rollout": {"engine": "hf"},
+        "algorithm": {"updates_per_batch": 2, "rollout_correction": "off", "old_logprobs": "engine"},
+        "train": {"steps": 3},
+    }
+    h = train(_cfg(pretrained_tiny_model, color_data, tmp_path / "run", **over)).history
+    assert [x["rollout/staleness"] for x in h] == [0.0, 1.0, 1.0]
+    assert all(x["learner/old_logprob_s"] < 0.01 for x in h)  # no pass: only the timer's own cost
+    assert not any("rollout/correction_weight_mean" in x for x in h)
+    assert all(x["rollout/logprob_diff"] < 1e-3 for x in h), [x["rollout/logprob_diff"] for x in h]
+    # stale batches: the ratio against the sampling policy is not 1, so some tokens are clipped or at least
+    # the approximate KL to the sampling policy is non-zero
+    assert all(x["policy/approx_kl"] != 0.0 for x in h[1:]) and all(x["policy/grad_norm"] > 0 for x in h)
+
+
 def test_dynamic_sampling_rounds_run_in_the_background_with_one_version(
     pretrained_tiny_model: Path, color_data: Path, tmp_path: Path
 ) -> None:
