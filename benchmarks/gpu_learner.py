@@ -302,56 +302,10 @@ def shaped_checkpoint(tmp: Path, args: argparse.Namespace) -> Path:
     )
 
 
-def layout_rows(args: argparse.Namespace) -> None:
-    from visionrl.train.learner import Learner
-
-    device = "cpu" if args.smoke else "cuda"
-    rows: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = shaped_checkpoint(Path(tmp), args)
-        learner = Learner(job(model_dir, args), device=device)
-        equal, spread = make_batch(learner, args, spread=False), make_batch(learner, args, spread=True)
-        configure(learner, VARIANTS[0])
-        learner.train_step(equal)  # warm-up
-        for v in VARIANTS[5:7]:
-            configure(learner, v)
-            for name, batch in (("equal lengths", equal), ("lengths spread over [T/8, T]", spread)):
-                try:
-                    r = timed_step(learner, batch)
-                except torch.OutOfMemoryError:
-                    r = {"error": "out of memory"}
-                rows.append({"variant": f"{v['name'].strip()}, {name}", **r})
-                print(json.dumps(rows[-1]), flush=True)
-    if args.smoke:
-        return
-    path = Path(args.out) / "gpu_learner.json"
-    result = json.loads(path.read_text()) if path.exists() else {}
-    result["layout"] = {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "what": "rows [prompt | completion | pad], no attention mask (train.batching); "
-        "no-grad passes at max(16384, micro_batch_tokens) tokens",
-        "rows": rows,
-    }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
-
-
-NEXT_LEVERS: list[dict[str, Any]] = [
-    {"name": "shipped: no recompute, micro-batch 8192", "ckpt": 0, "train": {"micro_batch_tokens": 8192}},
-    {
-        "name": "+ engine log-probs as the old policy (no old-log-prob pass)",
-        "algorithm": {
-            "rollout_correction": "off",
-            "old_logprobs": "engine",
-        },  # in this order: each is validated
-    },
-    {"name": "+ compiled decoder layers", "compile": True},
-]
-
-
-def next_lever_rows(args: argparse.Namespace) -> None:
-    """The levers of benchmarks/NOTES-gpu-learner.md's CPU-only session, each on top of the one before, on equal
-    and spread completion lengths; the compiled variant's first step (the compilation) is timed apart."""
+def lever_rows(args: argparse.Namespace, variants: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each of `variants` applied on top of the ones before (after a warm-up step with VARIANTS[0]), timed on
+    equal and on spread completion lengths; a variant that compiles the decoder layers (`compile`) has its
+    first step, the compilation, timed apart."""
     from visionrl.train.forward import compile_decoder_layers
     from visionrl.train.learner import Learner
 
@@ -363,31 +317,59 @@ def next_lever_rows(args: argparse.Namespace) -> None:
         equal, spread = make_batch(learner, args, spread=False), make_batch(learner, args, spread=True)
         configure(learner, VARIANTS[0])
         learner.train_step(equal)  # warm-up
-        for v in NEXT_LEVERS:
+        for v in variants:
             configure(learner, v)
             if v.get("compile"):
                 compile_decoder_layers(learner.model)
-                first = timed_step(learner, equal)
-                rows.append({"variant": f"{v['name']}: first step (compiles)", **first})
+                rows.append({"variant": f"{v['name']}: first step (compiles)", **timed_step(learner, equal)})
             for name, batch in (("equal lengths", equal), ("lengths spread over [T/8, T]", spread)):
                 try:
                     r = timed_step(learner, batch)
                 except torch.OutOfMemoryError:
                     r = {"error": "out of memory"}
-                rows.append({"variant": f"{v['name']}, {name}", **r})
+                rows.append({"variant": f"{v['name'].strip()}, {name}", **r})
                 print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def save_section(args: argparse.Namespace, key: str, section: dict[str, Any]) -> None:
+    """`section`, dated, under `key` of the results file, the file's other keys kept (nothing with --smoke)."""
     if args.smoke:
         return
     path = Path(args.out) / "gpu_learner.json"
     result = json.loads(path.read_text()) if path.exists() else {}
-    result["next_levers"] = {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(0),
-        "versions": {"torch": torch.__version__},
-        "rows": rows,
-    }
+    result[key] = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), **section}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
+
+
+def layout_rows(args: argparse.Namespace) -> None:
+    rows = lever_rows(args, VARIANTS[5:7])
+    what = (
+        "rows [prompt | completion | pad], no attention mask (train.batching); "
+        "no-grad passes at max(16384, micro_batch_tokens) tokens"
+    )
+    save_section(args, "layout", {"what": what, "rows": rows})
+
+
+NEXT_LEVERS: list[dict[str, Any]] = [
+    {"name": "shipped: no recompute, micro-batch 8192", "ckpt": 0, "train": {"micro_batch_tokens": 8192}},
+    {
+        "name": "+ engine log-probs as the old policy (no old-log-prob pass)",
+        # in this order: each assignment is validated, and old_logprobs=engine needs the correction off
+        "algorithm": {"rollout_correction": "off", "old_logprobs": "engine"},
+    },
+    {"name": "+ compiled decoder layers", "compile": True},
+]
+
+
+def next_lever_rows(args: argparse.Namespace) -> None:
+    """The levers of benchmarks/NOTES-gpu-learner.md's CPU-only session, each on top of the one before."""
+    rows = lever_rows(args, NEXT_LEVERS)
+    device = "cpu" if args.smoke else torch.cuda.get_device_name(0)
+    save_section(
+        args, "next_levers", {"device": device, "versions": {"torch": torch.__version__}, "rows": rows}
+    )
 
 
 if __name__ == "__main__":
