@@ -17,6 +17,19 @@ pytestmark = [
 ]
 
 
+def _plain_and_fsdp(
+    run: Callable[..., Any], raw: dict, tmp_path: Path, world: int
+) -> tuple[dict, dict, dict, dict, float]:
+    """Two steps of one plain learner on the GPU and of `world` FSDP2 ranks (one GPU each): (plain adapter,
+    FSDP adapter, their last metrics, and how far the plain steps moved the adapter from an untrained run)."""
+    plain, m_plain = run(raw, 1, tmp_path / "plain", steps=2, device="cuda")
+    fsdp, m_fsdp = run(raw, world, tmp_path / "fsdp", fsdp=True, steps=2, device="cuda")
+    still, _ = run({**raw, "train": {**raw["train"], "lr": 1e-12}}, 1, tmp_path / "still", device="cuda")
+    assert plain.keys() == fsdp.keys() and len(plain) > 0
+    moved = max((plain[k] - still[k]).abs().max().item() for k in plain)
+    return plain, fsdp, m_plain, m_fsdp, moved
+
+
 def test_fsdp_rank_on_the_gpu_trains_the_same_adapter_as_the_plain_learner(
     tiny_model: Path,
     color_data: Path,
@@ -25,13 +38,7 @@ def test_fsdp_rank_on_the_gpu_trains_the_same_adapter_as_the_plain_learner(
     rank_job: Callable[..., dict],
 ) -> None:
     raw = rank_job(tiny_model, color_data, lr=1e-3, dtype="bfloat16", gradient_checkpointing=True)
-    plain, m1 = run_learner_ranks(raw, 1, tmp_path / "plain", steps=2, device="cuda")
-    fsdp, m2 = run_learner_ranks(raw, 1, tmp_path / "fsdp", fsdp=True, steps=2, device="cuda")
-    still, _ = run_learner_ranks(
-        {**raw, "train": {**raw["train"], "lr": 1e-12}}, 1, tmp_path / "still", device="cuda"
-    )
-    assert plain.keys() == fsdp.keys() and len(plain) > 0
-    moved = max((plain[k] - still[k]).abs().max().item() for k in plain)
+    plain, fsdp, m1, m2, moved = _plain_and_fsdp(run_learner_ranks, raw, tmp_path, world=1)
     assert moved > 1e-4  # the steps changed the adapter
     for k in plain:
         # bf16 forward passes: the two paths order their reductions differently
@@ -51,13 +58,7 @@ def test_two_fsdp_ranks_on_two_gpus_train_the_same_adapter_as_one_rank(
     """2 ranks (one per GPU, nccl, FSDP2) split the step's sequences by tokens and all-reduce with the global
     normalisers: the adapter after two steps is the one a single rank trains on the whole batch."""
     raw = rank_job(tiny_model, color_data, lr=1e-3, dtype="bfloat16", gradient_checkpointing=True)
-    one, m1 = run_learner_ranks(raw, 1, tmp_path / "one", steps=2, device="cuda")
-    two, m2 = run_learner_ranks(raw, 2, tmp_path / "two", fsdp=True, steps=2, device="cuda")
-    still, _ = run_learner_ranks(
-        {**raw, "train": {**raw["train"], "lr": 1e-12}}, 1, tmp_path / "still", device="cuda"
-    )
-    assert one.keys() == two.keys() and len(one) > 0
-    moved = max((one[k] - still[k]).abs().max().item() for k in one)
+    one, two, m1, m2, moved = _plain_and_fsdp(run_learner_ranks, raw, tmp_path, world=2)
     assert moved > 1e-4
     for k in one:
         # bf16: two ranks sum their halves' gradients in another order than one rank does
