@@ -19,7 +19,7 @@ from visionrl.config_algorithm import AlgorithmConfig
 from visionrl.config_ray import RayConfig
 from visionrl.config_yaml import ConfigError, Section, UniqueKeyLoader, apply_overrides
 from visionrl.data.images import DEFAULT_MAX_IMAGES, DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS
-from visionrl.orchestrate.placement import plan_placement
+from visionrl.orchestrate.placement import PlacementPlan, plan_placement
 from visionrl.rewards.registry import RewardConfigError, RewardSpec, resolve_reward
 
 # Default LoRA targets: the language model's projections only (never the vision blocks, whose
@@ -372,11 +372,14 @@ class JobConfig(Section):
             )
         return self
 
+    def placement_plan(self) -> PlacementPlan:
+        """Which placement-group bundle each learner rank and engine of this job goes to."""
+        r, ro = self.ray, self.rollout
+        return plan_placement(r.placement, r.num_learners, r.learner_gpus, ro.num_engines, ro.gpus_per_engine)
+
     @model_validator(mode="after")
     def validate_placement(self) -> JobConfig:
-        # The combinations that cannot be placed (visionrl.orchestrate.placement says why).
-        r, ro = self.ray, self.rollout
-        plan_placement(r.placement, r.num_learners, r.learner_gpus, ro.num_engines, ro.gpus_per_engine)
+        self.placement_plan()  # refuses the combinations that cannot be placed (visionrl.orchestrate.placement)
         return self
 
     @model_validator(mode="after")

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from visionrl.config import load_config
-from visionrl.orchestrate.placement import plan_placement
 from visionrl.train.ranks import use_fsdp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -25,16 +24,9 @@ def _job(layout: str, tmp_path: Path, smoke: bool = False):  # type: ignore[no-u
     return load_config(gpu_scaling.JOB, base + over)
 
 
-def _plan(cfg):  # type: ignore[no-untyped-def]
-    r = cfg.ray
-    return plan_placement(
-        r.placement, r.num_learners, r.learner_gpus, cfg.rollout.num_engines, cfg.rollout.gpus_per_engine
-    )
-
-
 def test_one_gpu_layout_is_the_shipped_job_with_the_engine_asleep_during_the_update(tmp_path: Path) -> None:
     cfg = _job("1gpu", tmp_path)
-    plan = _plan(cfg)
+    plan = cfg.placement_plan()
     assert (plan.bundles, plan.learners, plan.engines) == ([GPU], [0], [0])
     assert cfg.rollout.sleep_during_update and cfg.train.micro_batch_tokens == 8192
     assert (cfg.rollout.prompts_per_step, cfg.algorithm.group_size, cfg.rollout.max_new_tokens) == (
@@ -46,14 +38,14 @@ def test_one_gpu_layout_is_the_shipped_job_with_the_engine_asleep_during_the_upd
 
 def test_colocated_layout_shards_two_ranks_and_pairs_each_with_an_engine_on_its_gpu(tmp_path: Path) -> None:
     cfg = _job("colocated", tmp_path)
-    plan = _plan(cfg)
+    plan = cfg.placement_plan()
     assert (plan.bundles, plan.learners, plan.engines) == ([GPU, GPU], [0, 1], [0, 1])
     assert use_fsdp(cfg.train.fsdp, cfg.ray.num_learners, "cuda")
 
 
 def test_split_layout_gives_engine_and_learner_a_gpu_each_and_samples_one_step_ahead(tmp_path: Path) -> None:
     cfg = _job("split-async", tmp_path)
-    plan = _plan(cfg)
+    plan = cfg.placement_plan()
     assert plan.bundles == [] and (cfg.ray.learner_gpus, cfg.rollout.gpus_per_engine) == (1.0, 1.0)
     assert cfg.rollout.async_steps == 1 and not cfg.rollout.sleep_during_update
     assert cfg.algorithm.old_logprobs == "engine" and cfg.algorithm.rollout_correction == "off"

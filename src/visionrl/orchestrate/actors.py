@@ -22,7 +22,7 @@ from visionrl import faults
 from visionrl.config import JobConfig, RayConfig
 from visionrl.data.images import ImageBudget
 from visionrl.errors import out_of_memory
-from visionrl.orchestrate.placement import PlacementPlan, plan_placement
+from visionrl.orchestrate.placement import PlacementPlan
 from visionrl.orchestrate.remote import ENGINE, LEARNER, REWARD, Call, gather
 from visionrl.rewards import RewardSpec, build_reward_fn
 from visionrl.rollout.factory import make_engine
@@ -285,9 +285,7 @@ def start_actors(cfg: JobConfig) -> tuple[list[Any], list[Any], list[Any]]:
     """Create the learner ranks, engines and reward workers with the configured placement; each must start
     within ray.startup_timeout_s (a failure or a hang names the actor, a learner by its rank)."""
     r = cfg.ray
-    plan = plan_placement(
-        r.placement, r.num_learners, r.learner_gpus, cfg.rollout.num_engines, cfg.rollout.gpus_per_engine
-    )
+    plan = cfg.placement_plan()
     learner_opts, engine_opts = _scheduling(cfg, plan)
     world = len(learner_opts)
     learners = [LearnerActor.options(**o).remote(cfg, i, world) for i, o in enumerate(learner_opts)]  # type: ignore[attr-defined]
