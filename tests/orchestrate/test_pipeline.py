@@ -12,7 +12,7 @@ import pytest
 from visionrl.config import config_from_dict
 from visionrl.config_yaml import apply_overrides
 from visionrl.errors import Preempted
-from visionrl.orchestrate.pipeline import Prefetch, warn_if_no_overlap
+from visionrl.orchestrate.pipeline import Prefetch, warn_about_async_steps
 
 MINIMAL = {
     "output_dir": "runs/x",
@@ -70,16 +70,18 @@ ENGINE_OLD = ["algorithm.rollout_correction=off", "algorithm.old_logprobs=engine
 def test_colocated_gpus_get_a_warning_that_nothing_overlaps(caplog: pytest.LogCaptureFixture) -> None:
     gpu = ["rollout.async_steps=1", "rollout.gpus_per_engine=0.5", "ray.learner_gpus=0.5", *ENGINE_OLD]
     with caplog.at_level(logging.WARNING, logger="visionrl.orchestrate.pipeline"):
-        warn_if_no_overlap(config_from_dict(apply_overrides(MINIMAL, ["rollout.async_steps=1", *ENGINE_OLD])))
+        warn_about_async_steps(
+            config_from_dict(apply_overrides(MINIMAL, ["rollout.async_steps=1", *ENGINE_OLD]))
+        )
         assert caplog.text == ""  # CPU, the recommended old policy: nothing to say
-        warn_if_no_overlap(config_from_dict(apply_overrides(MINIMAL, gpu)))
+        warn_about_async_steps(config_from_dict(apply_overrides(MINIMAL, gpu)))
     assert "use ray.placement=split" in caplog.text
 
 
 def test_async_steps_with_the_learners_old_policy_are_warned_about(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="visionrl.orchestrate.pipeline"):
-        warn_if_no_overlap(config_from_dict(apply_overrides(MINIMAL, ["rollout.async_steps=0"])))
+        warn_about_async_steps(config_from_dict(apply_overrides(MINIMAL, ["rollout.async_steps=0"])))
         assert caplog.text == ""  # synchronous: the learner's old policy is the sampling one
-        warn_if_no_overlap(config_from_dict(apply_overrides(MINIMAL, ["rollout.async_steps=1"])))
+        warn_about_async_steps(config_from_dict(apply_overrides(MINIMAL, ["rollout.async_steps=1"])))
     assert "fell back to chance on 3 of 3 seeds" in caplog.text
     assert "Set algorithm.old_logprobs=engine and algorithm.rollout_correction=off" in caplog.text

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from visionrl.errors import InputError
+from visionrl.files import atomic_write
 from visionrl.types import ADAPTER_CONFIG, ADAPTER_FILES, ADAPTER_WEIGHTS
 
 __all__ = [
@@ -128,8 +129,6 @@ def require_plain_lora(adapter_config: dict[str, Any], where: str | os.PathLike[
 def write_adapter_files(folder: Path, files: dict[str, bytes]) -> Path:
     """The adapter's files (e.g. a learner's `adapter_payload(for_engine=False).files`) in `folder`, each
     written to a new file renamed over the old one: a reader may still map the old (docs/ENGINE_NOTES.md)."""
-    from visionrl.files import atomic_write
-
     folder.mkdir(parents=True, exist_ok=True)
     for name, data in files.items():
         atomic_write(folder / name, data)

@@ -28,7 +28,7 @@ from visionrl.orchestrate import preemption
 from visionrl.orchestrate.actors import ray_session, start_actors
 from visionrl.orchestrate.failures import resume_hint, run_error, run_log, stopped
 from visionrl.orchestrate.health import RunHealth
-from visionrl.orchestrate.pipeline import Prefetch, warn_if_no_overlap
+from visionrl.orchestrate.pipeline import Prefetch, warn_about_async_steps
 from visionrl.orchestrate.preemption import stop_on_signals
 from visionrl.orchestrate.remote import ActorProblem, first_line
 from visionrl.orchestrate.resume import ResumeMode, checkpoint_to_resume
@@ -90,7 +90,7 @@ def _train(cfg: JobConfig, run: RunDir, ckpt: Path | None, prompts_in: PromptStr
             workers.verify_delivery(prompts_in.probe_prompts())
         except Preempted as early_stop:  # stopped while starting: nothing new to save
             raise stopped(early_stop, run.root, None) from None
-        warn_if_no_overlap(cfg)
+        warn_about_async_steps(cfg)
         watch = MismatchWatch(cfg.rollout.max_logprob_diff, cfg.rollout.max_logprob_diff_steps)
         start = saved = workers.resume(ckpt, prompts_in) if ckpt else 0
         history_file.trim(run.history, start)  # steps after the checkpoint will be run again

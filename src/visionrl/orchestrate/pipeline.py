@@ -34,10 +34,11 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def warn_if_no_overlap(cfg: JobConfig) -> None:
-    """Engines colocated with the learner on the same GPUs share its device: rollouts and update then take turns
-    anyway, and async_steps only adds staleness. Also: one-step-off batches with the learner's own log-probs as
-    the old policy fell back to chance on 3 of 3 seeds where the engine's learned (benchmarks/NOTES-async.md)."""
+def warn_about_async_steps(cfg: JobConfig) -> None:
+    """The two ways `rollout.async_steps` is measured to go wrong. Engines colocated with the learner on the same
+    GPUs share its device: rollouts and update then take turns anyway, and async_steps only adds staleness. And
+    one-step-off batches with the learner's own log-probs as the old policy fell back to chance on 3 of 3 seeds
+    where the engine's learned (benchmarks/NOTES-async.md)."""
     if cfg.rollout.async_steps and cfg.algorithm.old_logprobs == "learner":
         logger.warning(
             "rollout.async_steps=%d with algorithm.old_logprobs=learner: the PPO clip then bounds each update "
