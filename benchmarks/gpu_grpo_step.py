@@ -44,11 +44,13 @@ JOB = "configs/qwen3vl_8b_grpo_lora.yaml"
 
 
 class GpuMemorySampler:
-    """Peak GPU memory per process (named by its Ray actor title) and of the device, from nvidia-smi."""
+    """Peak GPU memory per process (named by its Ray actor title), per GPU (by index) and of the busiest GPU,
+    from nvidia-smi."""
 
     def __init__(self, period_s: float = 0.5) -> None:
         self.period_s = period_s
         self.per_process: dict[str, float] = {}
+        self.per_gpu: dict[str, float] = {}
         self.device_peak = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -72,8 +74,10 @@ class GpuMemorySampler:
 
     def _run(self) -> None:
         while not self._stop.wait(self.period_s):
-            for row in self._query("--query-gpu=memory.used"):
-                self.device_peak = max(self.device_peak, float(row[0]) / 1024)
+            for index, used in self._query("--query-gpu=index,memory.used"):
+                gib = float(used) / 1024
+                self.per_gpu[index] = max(self.per_gpu.get(index, 0.0), gib)
+                self.device_peak = max(self.device_peak, gib)
             for pid, used in self._query("--query-compute-apps=pid,used_memory"):
                 name = _process_title(pid)
                 self.per_process[name] = max(self.per_process.get(name, 0.0), float(used) / 1024)

@@ -37,7 +37,6 @@ from gpu_grpo_step import (
     GpuMemorySampler,
     _device_name,
     _param_count,
-    _process_title,
     build_model,
     logging_setup,
     measure,
@@ -85,24 +84,6 @@ SMOKE_KEYS = (
 )
 
 
-class PerGpuMemory(GpuMemorySampler):
-    """The peak memory of each GPU by index, beside the per-process peaks of the parent class."""
-
-    def __init__(self, period_s: float = 0.5) -> None:
-        super().__init__(period_s)
-        self.per_gpu: dict[str, float] = {}
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.period_s):
-            for index, used in self._query("--query-gpu=index,memory.used"):
-                gib = float(used) / 1024
-                self.per_gpu[index] = max(self.per_gpu.get(index, 0.0), gib)
-                self.device_peak = max(self.device_peak, gib)
-            for pid, used in self._query("--query-compute-apps=pid,used_memory"):
-                name = _process_title(pid)
-                self.per_process[name] = max(self.per_process.get(name, 0.0), float(used) / 1024)
-
-
 def layout_overrides(layout: str, smoke: bool) -> list[str]:
     _, over = LAYOUTS[layout]
     if smoke:  # CPU: the layout's ranks, engines and async steps, the light HF engine, no GPU keys
@@ -127,7 +108,7 @@ def run_layout(
     gpus = LAYOUTS[layout][0]
     over = layout_overrides(layout, smoke)
     cfg = load_config(JOB, overrides_for(size, model, data, run, steps, smoke) + over + list(extra))
-    with PerGpuMemory() as memory:
+    with GpuMemorySampler() as memory:
         result = train(cfg)
     row = measure(size, result.history, params, memory)
     row.update(
