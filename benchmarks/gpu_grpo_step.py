@@ -154,6 +154,8 @@ def measure(
         "engine_sleep_s": mean("timing/engine_sleep_s"),
         "engine_wake_s": mean("timing/engine_wake_s"),
         "sync_s": mean("timing/sync_s"),
+        "rollout_wait_s": mean("timing/rollout_wait_s"),  # rollout.async_steps: the wait after the update
+        "staleness": mean("rollout/staleness"),
         "sequence_tokens_per_step": tokens,
         "response_tokens_per_step": mean("response/tokens"),
         "response_length_mean": mean("response/length_mean"),

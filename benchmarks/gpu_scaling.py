@@ -116,17 +116,10 @@ def run_layout(
         gpus=gpus,
         tokens_per_s_per_gpu=row["sequence_tokens_per_step"] / row["step_s"] / gpus,
         peak_gib_per_gpu={k: round(v, 2) for k, v in sorted(memory.per_gpu.items())},
-        rollout_wait_s=_mean(result.history, "timing/rollout_wait_s"),
-        staleness=_mean(result.history, "rollout/staleness"),
         overrides=over + list(extra),
     )
     print(json.dumps(row), flush=True)
     return row
-
-
-def _mean(history: list[dict[str, float]], key: str) -> float:
-    rows = history[1:] if len(history) > 1 else history
-    return sum(r.get(key, 0.0) for r in rows) / max(len(rows), 1)
 
 
 def compare(rows: list[dict[str, Any]]) -> None:
