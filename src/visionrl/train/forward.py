@@ -13,6 +13,7 @@ Two things a plain `model(**batch).logits` would waste on a real VLM (vocab 151,
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from visionrl.algo import entropy_from_logits, token_logprobs
 
+logger = logging.getLogger(__name__)
 SUPPRESSED_LOGIT = -1e9  # a large finite value, not -inf: keeps entropy and its gradient finite (algo.losses)
 
 
@@ -144,10 +146,8 @@ def compile_decoder_layers(model: Any, sharded: bool = False) -> int:
     (micro-batches differ in length: one graph, no recompilation per length). The layers share their code, so
     the first layer's compilation serves all (parameters are graph inputs). Skipped, with a warning, when the
     model is sharded by FSDP2: that combination has not been measured. Returns the layers compiled."""
-    import logging
-
     if sharded:
-        logging.getLogger(__name__).warning(
+        logger.warning(
             "train.compile is not applied with FSDP2 sharding (not measured yet); the layers run eagerly"
         )
         return 0
