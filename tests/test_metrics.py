@@ -325,6 +325,47 @@ def test_purge_from_hides_the_steps_a_resumed_run_writes_again(tmp_path: Path) -
     assert read_scalars(tmp_path)["reward/mean"] == [(1, 0.25), (2, 0.5), (3, 3.0), (4, 4.0)]
 
 
+def test_a_resume_in_the_same_second_is_read_after_the_run_it_resumes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TensorBoard reads event files in name order; a name holds the second, the pid and a counter that is not
+    zero-padded. With the counter at 9, the resumed writer's file is named ...11 and, in the same second, would be
+    read before ...9: the purge marker first, then the old steps 3 shown again. The writer waits for the next
+    second instead, so the old events come first."""
+    from tensorboard.summary.writer import event_file_writer
+
+    from visionrl.metrics import MetricsWriter, read_scalars
+
+    monkeypatch.setattr(event_file_writer, "_global_uid", event_file_writer.AtomicCounter(9))
+    with MetricsWriter(tmp_path) as tb:
+        for step in (1, 2, 3):
+            tb.scalars(step, {"reward/mean": step / 4})
+    with MetricsWriter(tmp_path) as tb:
+        tb.purge_from(3)
+        tb.scalars(3, {"reward/mean": 3})
+    names = sorted(p.name for p in tmp_path.glob("events.out.tfevents.*"))
+    assert [name.rsplit(".", 1)[1] for name in names] == ["9", "11"]  # the resumed writer's unused file is gone
+    assert names[0].split(".")[3] < names[1].split(".")[3]  # a later second
+    assert read_scalars(tmp_path)["reward/mean"] == [(1, 0.25), (2, 0.5), (3, 3.0)]
+
+
+def test_a_fresh_run_that_purges_at_once_keeps_one_file_and_does_not_wait(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loop opens its writer, then purges from its first step: the first file (header only) is removed, so
+    nothing in the folder shares its second and no wait happens."""
+    import visionrl.metrics as metrics
+
+    waits: list[float] = []
+    monkeypatch.setattr(metrics.time, "sleep", waits.append)
+    with metrics.MetricsWriter(tmp_path) as tb:
+        tb.purge_from(1)
+        tb.scalars(1, {"reward/mean": 0.5})
+    assert waits == []
+    assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 1
+    assert metrics.read_scalars(tmp_path)["reward/mean"] == [(1, 0.5)]
+
+
 def test_a_full_disk_under_tensorboard_names_the_folder_and_the_bytes(
     small_disk, capfd: pytest.CaptureFixture[str]
 ) -> None:

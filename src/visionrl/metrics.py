@@ -138,6 +138,22 @@ def reward_component_tag(name: str) -> str:
 
 
 # ---------------------------------------------------------------- writer
+def _wait_past_event_files(log_dir: Path) -> None:
+    """TensorBoard reads a folder's event files in name order. A name starts with the second the file was opened in,
+    then the host, the process id and a counter that is not zero-padded ("10" sorts before "9"), so two files opened
+    in one second can be read in the wrong order: a purge marker, or a resumed run's values, before the events they
+    replace. Wait until the clock has left the latest second named in `log_dir` (at most a second or two; a name
+    from a clock far ahead is not waited for)."""
+    seconds = []
+    for path in log_dir.glob("events.out.tfevents.*"):
+        field = path.name.split(".")[3]
+        if field.isdigit():
+            seconds.append(int(field))
+    wait = max(seconds, default=-1) + 1 - time.time()
+    if 0 < wait <= 2:
+        time.sleep(wait)
+
+
 class MetricsWriter:
     """Writes one run's metrics as TensorBoard event files in `log_dir` (created if missing).
 
@@ -153,6 +169,7 @@ class MetricsWriter:
         self._failed = (
             False  # a write failed: the writer's thread has ended, and closing it would raise again
         )
+        self._empty = True  # the open writer's file holds only its header: no event, no purge marker
         with self._storage():
             self.log_dir.mkdir(parents=True, exist_ok=True)
             self._writer = self._open()
@@ -161,6 +178,7 @@ class MetricsWriter:
         from torch.utils.tensorboard import SummaryWriter  # heavy: imports torch
 
         _quiet_writer_threads()
+        _wait_past_event_files(self.log_dir)
         writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=purge_step)
         # Count the bytes of every event as it goes to the event file (a record frames it with 16 bytes), so a
         # full disk can be reported with what did not fit.
@@ -168,12 +186,14 @@ class MetricsWriter:
         add_event = file_writer.add_event
 
         def counted(event: Any, step: int | None = None, walltime: float | None = None) -> None:
+            self._empty = False
             try:
                 add_event(event, step, walltime)  # sets the event's step and time, then queues it
             finally:  # also an event refused because an earlier write failed: it did not fit either
                 self._pending += event.ByteSize() + 16
 
         file_writer.add_event = counted
+        self._empty = purge_step is None  # a purge marker went in before `counted` was in place
         return writer
 
     @contextlib.contextmanager
@@ -192,7 +212,10 @@ class MetricsWriter:
         then shows each step once, the new value. Call before writing anything for `step`."""
         # The purge marker is written when a writer opens its event file, so a new writer (new file) carries it.
         with self._storage():
+            unused = Path(self._writer.file_writer.event_writer._file_name) if self._empty else None
             self._writer.close()
+            if unused is not None:  # the file this writer opened holds no event yet: one file fewer to read
+                unused.unlink(missing_ok=True)
             self._writer = self._open(purge_step=step)
 
     def scalars(self, step: int, values: Mapping[str, float | None]) -> None:
