@@ -344,7 +344,10 @@ def test_a_resume_in_the_same_second_is_read_after_the_run_it_resumes(
         tb.purge_from(3)
         tb.scalars(3, {"reward/mean": 3})
     names = sorted(p.name for p in tmp_path.glob("events.out.tfevents.*"))
-    assert [name.rsplit(".", 1)[1] for name in names] == ["9", "11"]  # the resumed writer's unused file is gone
+    assert [name.rsplit(".", 1)[1] for name in names] == [
+        "9",
+        "11",
+    ]  # the resumed writer's unused file is gone
     assert names[0].split(".")[3] < names[1].split(".")[3]  # a later second
     assert read_scalars(tmp_path)["reward/mean"] == [(1, 0.25), (2, 0.5), (3, 3.0)]
 
