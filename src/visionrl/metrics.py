@@ -212,7 +212,8 @@ class MetricsWriter:
         then shows each step once, the new value. Call before writing anything for `step`."""
         # The purge marker is written when a writer opens its event file, so a new writer (new file) carries it.
         with self._storage():
-            unused = Path(self._writer.file_writer.event_writer._file_name) if self._empty else None
+            file_writer: Any = self._writer.file_writer  # torch declares it Optional; open until closed here
+            unused = Path(file_writer.event_writer._file_name) if self._empty else None
             self._writer.close()
             if unused is not None:  # the file this writer opened holds no event yet: one file fewer to read
                 unused.unlink(missing_ok=True)
