@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     from visionrl.config import load_config
     from visionrl.data.easy_vqa import TASK_NAME as EASY_VQA
     from visionrl.data.easy_vqa import write_easy_vqa
+    from visionrl.data.images import ImageBudget
     from visionrl.data.synthetic import TASKS, make_dataset
     from visionrl.eval.local import evaluate_local
     from visionrl.models.tiny import build_tiny_model
@@ -95,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         "data": str(data / "eval.jsonl"),
         "max_tokens": cfg.rollout.max_new_tokens,
         "rewards": [r.name for r in cfg.rewards][:1],
+        "budget": ImageBudget.of(cfg.data),  # the base too is shown the images as the job drew them
     }
     reports = {
         "base": evaluate_local(base=str(base), adapter=None, out=str(ev / "base.json"), **common),
