@@ -50,6 +50,20 @@ class _Failing:
 
         time.sleep(60)
 
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
 
 def test_errors_inside_actors_reach_the_user_with_their_cause(tmp_path: Path) -> None:
     import signal
@@ -69,6 +83,7 @@ def test_errors_inside_actors_reach_the_user_with_their_cause(tmp_path: Path) ->
             gather([Call(actor.oom.remote(), LEARNER, 0)], "update", 60, "ray.call_timeout_s")
         # engine 1 fails while engine 0 is still busy: the failure is seen first, and named
         other = _Failing.options(num_cpus=0).remote(cfg)  # keep the handle: a dropped one ends the actor
+        pids = ray.get([actor.pid.remote(), other.pid.remote()])
         slow, bad = actor.slow.remote(), other.bad_value.remote()
         with pytest.raises(ActorFailed) as failed:
             gather([Call(slow, ENGINE, 0), Call(bad, ENGINE, 1)], "rollout", 30, "ray.call_timeout_s")
@@ -81,6 +96,9 @@ def test_errors_inside_actors_reach_the_user_with_their_cause(tmp_path: Path) ->
         assert stop.value.exit_status == 143
         err = run_error(failed.value, run.root)
         oom_err = run_error(oom.value, run.root)
+    # The session has ended: both actors' processes are gone (one of them was still in a 60 s call), not
+    # on their way out, so their scratch folders can be removed and nothing of the run is left running.
+    assert [pid for pid in pids if _alive(pid)] == []
     assert isinstance(oom_err, OutOfMemory)
     text = str(oom_err)
     assert text.startswith("the learner ran out of memory during train_step.")

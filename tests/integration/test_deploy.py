@@ -207,7 +207,8 @@ def test_sbatch_on_two_nodes_starts_a_ray_node_on_each_and_one_learner_rank_per_
         assert proc.returncode == 0, out[-3000:]
         assert "2/2 node(s) joined" in out
         port = env["VISIONRL_RAY_PORT"]
-        head, worker = (tmp_path / "srun.log").read_text().splitlines()
+        # Both srun steps start in the background: their lines come in either order.
+        head, worker = sorted((tmp_path / "srun.log").read_text().splitlines())
         assert head.startswith(f"vrl-a ray start --head --block --node-ip-address=127.0.0.1 --port={port} ")
         assert worker.startswith(f"vrl-b ray start --block --address=127.0.0.1:{port} ")
         assert head.endswith(" --num-cpus=1 --num-gpus=2") and worker.endswith(" --num-cpus=1 --num-gpus=2")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from visionrl.rollout.scratch import PREFIX, make_scratch_dir, remove_orphaned_scratch
@@ -24,3 +25,20 @@ def test_only_folders_of_dead_processes_are_removed(tmp_path: Path) -> None:
     other.mkdir()
     assert remove_orphaned_scratch(tmp_path) == [dead]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([mine.name, other.name])
+
+
+def test_the_folder_of_a_killed_process_not_yet_reaped_is_removed(tmp_path: Path) -> None:
+    """A killed engine stays a zombie until its parent reaps it: it owns nothing any more."""
+    import psutil
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        deadline = time.monotonic() + 30
+        while psutil.Process(child.pid).status() != psutil.STATUS_ZOMBIE:  # exited, not reaped (no wait yet)
+            assert time.monotonic() < deadline, "the child did not exit"
+            time.sleep(0.05)
+        folder = tmp_path / f"{PREFIX}{child.pid}-xyz"
+        folder.mkdir()
+        assert remove_orphaned_scratch(tmp_path) == [folder]
+    finally:
+        child.wait()

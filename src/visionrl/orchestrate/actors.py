@@ -16,6 +16,7 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
+import psutil
 import ray
 
 from visionrl import faults
@@ -48,6 +49,7 @@ def ray_session(cfg: RayConfig) -> Iterator[dict[str, Any]]:
         return
     # A short path: Ray's Unix sockets live under the temp dir and paths over ~107 bytes fail.
     tmp = tempfile.mkdtemp(prefix="vrl-ray-", dir="/tmp" if os.path.isdir("/tmp") else None)
+    before = _descendants()
     try:
         ray.init(
             num_cpus=cfg.num_cpus or os.cpu_count(),
@@ -59,8 +61,32 @@ def ray_session(cfg: RayConfig) -> Iterator[dict[str, Any]]:
         )
         yield {"mode": "embedded", "temp_dir": tmp}
     finally:
+        started = [p for pid, p in _descendants().items() if pid not in before]  # Ray's and its workers
         ray.shutdown()
+        _wait_gone(started, RAY_EXIT_WAIT_S)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+RAY_EXIT_WAIT_S = 15.0  # how long the end of a run waits for the processes of its local Ray to exit
+
+
+def _descendants() -> dict[int, psutil.Process]:
+    try:
+        return {p.pid: p for p in psutil.Process().children(recursive=True)}
+    except psutil.Error:
+        return {}
+
+
+def _wait_gone(processes: list[psutil.Process], timeout: float) -> None:
+    """`ray.shutdown` stops the local Ray's own processes; its workers (the engines) exit on their own once
+    their raylet has gone, a killed one perhaps still on its way out. Waiting for them means nothing of the run
+    is left running when `train` returns, and the engines' scratch folders can be removed after
+    (rollout.scratch)."""
+    _, alive = psutil.wait_procs(processes, timeout=timeout)
+    if alive:
+        names = ", ".join(f"{p.pid}" for p in alive)
+        logger.warning("%d process(es) of the local Ray still running %.0f s after it stopped: %s",
+                       len(alive), timeout, names)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------- actors

@@ -15,6 +15,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import psutil
+
 logger = logging.getLogger(__name__)
 
 PREFIX = "visionrl-vllm-adapters-"
@@ -31,13 +33,13 @@ def make_scratch_dir(root: Path | None = None) -> Path:
 
 
 def _alive(pid: int) -> bool:
+    """A process that exists and is not a zombie (a killed engine not yet reaped by its parent owns nothing)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
-    except PermissionError:  # another user's live process
+    except psutil.AccessDenied:  # another user's live process
         return True
-    return True
 
 
 def remove_orphaned_scratch(root: Path | None = None) -> list[Path]:
