@@ -55,7 +55,7 @@ def _cmd_make_data(args: argparse.Namespace) -> int:
     if args.task == "easy-vqa":
         from visionrl.data.easy_vqa import write_easy_vqa
 
-        summary = write_easy_vqa(args.dir, args.num_train, args.num_eval, args.seed)
+        summary = write_easy_vqa(args.dir, args.num_train, args.num_eval, args.seed, args.question_type)
     else:
         from visionrl.data.synthetic import make_dataset
 
@@ -395,6 +395,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--image-size", type=int, default=64)
+    sp.add_argument(
+        "--question-type",
+        choices=["yes/no", "shape", "color"],
+        default=None,
+        help="easy-vqa: only the questions of this type (default: all)",
+    )
     return p
 
 

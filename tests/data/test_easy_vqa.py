@@ -13,6 +13,7 @@ from PIL import Image
 from visionrl.cli import main
 from visionrl.data import load_dataset
 from visionrl.data.easy_vqa import question_type, vocabulary, write_easy_vqa
+from visionrl.errors import InputError
 
 easy_vqa = pytest.importorskip("easy_vqa")
 
@@ -56,6 +57,32 @@ def test_subset_records_load_and_point_at_the_packaged_image(tmp_path: Path) -> 
     again = tmp_path / "again"
     write_easy_vqa(again, 50, 20, seed=0)
     assert (again / "train.jsonl").read_text() == (tmp_path / "train.jsonl").read_text()
+
+
+def test_one_question_type_keeps_only_its_questions(tmp_path: Path) -> None:
+    """`--question-type color`: every record a colour question; the whole test split has 1,280 of them (its
+    9,673 questions less 7,136 yes/no and 1,257 shape ones, counted by answer)."""
+    assert main(["make-data", str(tmp_path), "--task", "easy-vqa", "--question-type", "color",
+                 "--num-train", "40"]) == 0  # fmt: skip
+    texts, answers, _ = easy_vqa.get_test_questions()
+    want = sum(question_type(a) == "color" for a in answers)
+    assert want == 1_280
+    for split, count in (("train", 40), ("eval", want)):
+        lines = [json.loads(x) for x in (tmp_path / f"{split}.jsonl").read_text().splitlines()]
+        assert len(lines) == count
+        assert {r["metadata"]["question_type"] for r in lines} == {"color"}
+        assert {r["answer"] for r in lines} <= {
+            "red",
+            "green",
+            "blue",
+            "black",
+            "gray",
+            "teal",
+            "brown",
+            "yellow",
+        }
+    with pytest.raises(InputError, match="the question type must be one of yes/no, shape, color"):
+        write_easy_vqa(tmp_path / "x", 5, 5, seed=0, only_type="size")
 
 
 def test_vocabulary_holds_every_question_word() -> None:

@@ -73,9 +73,9 @@ def format_examples(rng: random.Random, num: int) -> list[tuple[str, str, str]]:
     return [(texts[i], paths[image_ids[i]], rng.choice(by_type[question_type(labels[i])])) for i in picks]
 
 
-def _write_split(out: Path, split: str, num: int | None, seed: int) -> dict[str, Any]:
+def _write_split(out: Path, split: str, num: int | None, seed: int, only: str | None) -> dict[str, Any]:
     texts, labels, image_ids, paths = _questions(SPLITS[split])
-    order = list(range(len(texts)))
+    order = [i for i in range(len(texts)) if only is None or question_type(labels[i]) == only]
     if num is not None and num < len(order):
         order = sorted(random.Random(f"{TASK_NAME}/{split}/{seed}").sample(order, num))
     image_dir = out / "images" / split
@@ -106,18 +106,30 @@ def _write_split(out: Path, split: str, num: int | None, seed: int) -> dict[str,
     }
 
 
+QUESTION_TYPES = ("yes/no", "shape", "color")
+
+
 def write_easy_vqa(
-    out_dir: str | Path, num_train: int | None, num_eval: int | None, seed: int
+    out_dir: str | Path,
+    num_train: int | None,
+    num_eval: int | None,
+    seed: int,
+    only_type: str | None = None,
 ) -> dict[str, Any]:
     """Write `train.jsonl` (the package's train split) and `eval.jsonl` (its test split) with the images they
-    use under `images/{train,eval}/`; `num_train` / `num_eval` keep a seeded random subset (None: all).
+    use under `images/{train,eval}/`; `only_type` keeps only the questions of that type, and `num_train` /
+    `num_eval` then a seeded random subset (None: all).
     Returns {"task", "seed", "answers", "train": split, "eval": split} like `make_dataset`."""
     for name, num in (("num_train", num_train), ("num_eval", num_eval)):
         if num is not None and num < 1:
             raise InputError(f"{name} must be >= 1 (or left out for the whole split), got {num}")
+    if only_type is not None and only_type not in QUESTION_TYPES:
+        raise InputError(
+            f"the question type must be one of {', '.join(QUESTION_TYPES)} (or none for all), got {only_type!r}"
+        )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     summary: dict[str, Any] = {"task": TASK_NAME, "seed": seed, "answers": answers()}
     for split, num in (("train", num_train), ("eval", num_eval)):
-        summary[split] = _write_split(out, split, num, seed)
+        summary[split] = _write_split(out, split, num, seed, only_type)
     return summary
