@@ -56,15 +56,6 @@ class _Failing:
         return os.getpid()
 
 
-def _alive(pid: int) -> bool:
-    import psutil
-
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 def test_errors_inside_actors_reach_the_user_with_their_cause(tmp_path: Path) -> None:
     import signal
 
@@ -73,6 +64,7 @@ def test_errors_inside_actors_reach_the_user_with_their_cause(tmp_path: Path) ->
     from visionrl.orchestrate.actors import ray_session
     from visionrl.orchestrate.failures import run_error, run_log
     from visionrl.orchestrate.remote import ENGINE, LEARNER, ActorFailed, ActorHung, Call, gather
+    from visionrl.rollout.scratch import process_alive
     from visionrl.run_layout import RunDir
 
     cfg = _cfg(tmp_path)
@@ -98,7 +90,7 @@ def test_errors_inside_actors_reach_the_user_with_their_cause(tmp_path: Path) ->
         oom_err = run_error(oom.value, run.root)
     # The session has ended: both actors' processes are gone (one of them was still in a 60 s call), not
     # on their way out, so their scratch folders can be removed and nothing of the run is left running.
-    assert [pid for pid in pids if _alive(pid)] == []
+    assert [pid for pid in pids if process_alive(pid)] == []
     assert isinstance(oom_err, OutOfMemory)
     text = str(oom_err)
     assert text.startswith("the learner ran out of memory during train_step.")

@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,6 +28,7 @@ from visionrl.orchestrate.placement import PlacementPlan
 from visionrl.orchestrate.remote import ENGINE, LEARNER, REWARD, Call, gather
 from visionrl.rewards import RewardSpec, build_reward_fn
 from visionrl.rollout.factory import make_engine
+from visionrl.rollout.scratch import process_alive
 from visionrl.types import AdapterPayload, Completion, PromptItem, SamplingSpec
 
 logger = logging.getLogger(__name__)
@@ -61,7 +63,7 @@ def ray_session(cfg: RayConfig) -> Iterator[dict[str, Any]]:
         )
         yield {"mode": "embedded", "temp_dir": tmp}
     finally:
-        started = [p for pid, p in _descendants().items() if pid not in before]  # Ray's and its workers
+        started = _descendants() - before  # Ray's processes and its workers
         ray.shutdown()
         _wait_gone(started, RAY_EXIT_WAIT_S)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -70,23 +72,29 @@ def ray_session(cfg: RayConfig) -> Iterator[dict[str, Any]]:
 RAY_EXIT_WAIT_S = 15.0  # how long the end of a run waits for the processes of its local Ray to exit
 
 
-def _descendants() -> dict[int, psutil.Process]:
+def _descendants() -> set[int]:
     try:
-        return {p.pid: p for p in psutil.Process().children(recursive=True)}
+        return {p.pid for p in psutil.Process().children(recursive=True)}
     except psutil.Error:
-        return {}
+        return set()
 
 
-def _wait_gone(processes: list[psutil.Process], timeout: float) -> None:
+def _wait_gone(pids: set[int], timeout: float) -> None:
     """`ray.shutdown` stops the local Ray's own processes; its workers (the engines) exit on their own once
     their raylet has gone, a killed one perhaps still on its way out. Waiting for them means nothing of the run
     is left running when `train` returns, and the engines' scratch folders can be removed after
-    (rollout.scratch)."""
-    _, alive = psutil.wait_procs(processes, timeout=timeout)
+    (rollout.scratch; a zombie counts as gone there and here: where PID 1 does not reap orphans, a container
+    without an init, an engine that outlived its raylet stays one)."""
+    deadline = time.monotonic() + timeout
+    alive = sorted(pids)
+    while True:
+        alive = [pid for pid in alive if process_alive(pid)]
+        if not alive or time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
     if alive:
-        names = ", ".join(f"{p.pid}" for p in alive)
         logger.warning("%d process(es) of the local Ray still running %.0f s after it stopped: %s",
-                       len(alive), timeout, names)  # fmt: skip
+                       len(alive), timeout, ", ".join(map(str, alive)))  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------- actors

@@ -32,7 +32,7 @@ def make_scratch_dir(root: Path | None = None) -> Path:
     return Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=root or scratch_root()))
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     """A process that exists and is not a zombie (a killed engine not yet reaped by its parent owns nothing)."""
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
@@ -48,7 +48,7 @@ def remove_orphaned_scratch(root: Path | None = None) -> list[Path]:
     folder = root or scratch_root()
     for child in folder.glob(f"{PREFIX}*"):
         pid = child.name[len(PREFIX) :].split("-", 1)[0]
-        if child.is_dir() and pid.isdigit() and not _alive(int(pid)):
+        if child.is_dir() and pid.isdigit() and not process_alive(int(pid)):
             shutil.rmtree(child, ignore_errors=True)
             removed.append(child)
     if removed:
