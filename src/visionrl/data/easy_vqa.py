@@ -21,6 +21,7 @@ from visionrl.errors import InputError
 
 SHAPES = ("circle", "rectangle", "triangle")
 YES_NO = ("yes", "no")
+QUESTION_TYPES = ("yes/no", "shape", "color")  # what question_type() returns
 TASK_NAME = "easy-vqa"
 SPLITS = {"train": "train", "eval": "test"}  # our split name -> the package's
 
@@ -73,9 +74,9 @@ def format_examples(rng: random.Random, num: int) -> list[tuple[str, str, str]]:
     return [(texts[i], paths[image_ids[i]], rng.choice(by_type[question_type(labels[i])])) for i in picks]
 
 
-def _write_split(out: Path, split: str, num: int | None, seed: int, only: str | None) -> dict[str, Any]:
+def _write_split(out: Path, split: str, num: int | None, seed: int, only_type: str | None) -> dict[str, Any]:
     texts, labels, image_ids, paths = _questions(SPLITS[split])
-    order = [i for i in range(len(texts)) if only is None or question_type(labels[i]) == only]
+    order = [i for i in range(len(texts)) if only_type is None or question_type(labels[i]) == only_type]
     if num is not None and num < len(order):
         order = sorted(random.Random(f"{TASK_NAME}/{split}/{seed}").sample(order, num))
     image_dir = out / "images" / split
@@ -104,9 +105,6 @@ def _write_split(out: Path, split: str, num: int | None, seed: int, only: str | 
         "answer_counts": dict(sorted(counts.items())),
         "question_types": dict(sorted(types.items())),
     }
-
-
-QUESTION_TYPES = ("yes/no", "shape", "color")
 
 
 def write_easy_vqa(
