@@ -86,11 +86,15 @@ def test_production_job_file_describes_the_8b_job() -> None:
     assert Path(cfg.model.path).name == "Qwen3-VL-8B-Instruct"
     assert not Path(cfg.model.path).is_absolute()  # a placeholder the header tells the user to fill
     # the learner setting measured fastest within the colocated memory budget on an H200
-    # (benchmarks/results/gpu_learner.json, gpu_grpo_step.json): no recompute, 4096-token micro-batches
+    # (benchmarks/results/gpu_learner.json, gpu_grpo_step.json): no recompute, compiled decoder layers,
+    # 8192-token micro-batches while the engine sleeps, the engine's log-probs as the old policy
     assert cfg.model.dtype == "bfloat16" and not cfg.model.gradient_checkpointing
     assert (
-        cfg.train.micro_batch_tokens == 4096 and cfg.train.logit_chunk_tokens > 0 and cfg.train.share_images
+        cfg.train.micro_batch_tokens == 8192 and cfg.train.logit_chunk_tokens > 0 and cfg.train.share_images
     )
+    assert cfg.train.compile and cfg.rollout.sleep_during_update
+    # the clipped ratio is taken against the engine's log-probs, so no second correction on top of it
+    assert cfg.algorithm.old_logprobs == "engine" and cfg.algorithm.rollout_correction == "off"
     assert (cfg.lora.rank, cfg.lora.alpha) == (64, 128)
     assert cfg.lora.target_modules == LM_PROJECTIONS and cfg.lora.train_merger
     assert cfg.rollout.engine == "vllm" and cfg.rollout.gpus_per_engine > 0 and cfg.ray.learner_gpus > 0
