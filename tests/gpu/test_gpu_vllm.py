@@ -122,6 +122,7 @@ def test_learner_and_engine_agree_after_syncing_a_nonzero_adapter(model_8b: Path
     off = (base_lp - engine_lp).abs().mean().item()
     assert same < 0.05, (same, off)
     assert off > 10 * same, (same, off)
+
     # Sampling noise through the engine seed (no per-request seeds): the same prompt twice in one batch draws
     # different samples, the step's seed reproduces their noise, another seed does not. Only the first token is
     # compared: the sequence after it is not bitwise reproducible on the GPU, since vLLM's LoRA shrink kernel
@@ -141,7 +142,9 @@ def test_learner_and_engine_agree_after_syncing_a_nonzero_adapter(model_8b: Path
     firsts = lambda a: [t[0] for g in a for t in g]  # noqa: E731
     same_first = sum(x == y for x, y in zip(firsts(first), firsts(again), strict=True))
     other_first = sum(x == y for x, y in zip(firsts(first), firsts(other), strict=True))
-    print(f"seed check: first tokens equal with the same seed {same_first}/8, with another seed {other_first}/8")
+    print(
+        f"seed check: first tokens equal with the same seed {same_first}/8, with another seed {other_first}/8"
+    )
     assert first[0] != first[1] and len({tuple(t) for t in first[0] + first[1]}) > 4
     # by chance two seeds agree on a first token with probability about 1 / 151,936 for this model
     assert same_first >= 7 and other_first <= 1, (same_first, other_first)
