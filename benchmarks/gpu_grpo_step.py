@@ -131,6 +131,8 @@ def overrides_for(size: str, model: Path, data: Path, run: Path, steps: int, smo
             "ray.learner_gpus=0",
             "model.gradient_checkpointing=false",
             "algorithm.overlong_buffer=null",
+            "train.compile=false",  # inductor on 2 CPU cores takes minutes; the smoke run checks the script
+            "rollout.sleep_during_update=false",  # no GPU memory to share
         ]
     return over
 
