@@ -17,7 +17,10 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from visionrl.config import JobConfig
 
 REPO = Path(__file__).resolve().parents[2]
 EASY_VQA_EVAL = (
@@ -46,43 +49,14 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(1)
-    from visionrl.config import load_config
     from visionrl.data.easy_vqa import TASK_NAME as EASY_VQA
-    from visionrl.data.easy_vqa import write_easy_vqa
-    from visionrl.data.images import ImageBudget
-    from visionrl.data.synthetic import TASKS, make_dataset
-    from visionrl.eval.local import evaluate_local
-    from visionrl.models.tiny import build_tiny_model
+    from visionrl.data.synthetic import TASKS
     from visionrl.orchestrate.loop import train
 
     run = Path(args.dir)
-    base, data = run / "base-model", run / "data"
     t_start = time.perf_counter()
-    if not (base / "config.json").is_file():
-        _say(f"1/5 building the tiny base model in {base} (random init + ~30 s pre-training)")
-        build_tiny_model(base, seed=args.seed, pretrain=True, recipe=args.task)
-    else:
-        _say(f"1/5 base model: {base} (exists)")
-    if not (data / "eval.jsonl").is_file():
-        _say(f"2/5 writing the {args.task} data into {data}")
-        if args.task == EASY_VQA:
-            write_easy_vqa(data, None, EASY_VQA_EVAL, seed=args.seed)
-        else:
-            make_dataset(data, args.task, num_train=512, num_eval=128, seed=args.seed)
-    else:
-        _say(f"2/5 data: {data} (exists)")
-    for stale in ("tensorboard", "checkpoints", "adapter", "eval"):
-        shutil.rmtree(run / stale, ignore_errors=True)
-    cfg = load_config(
-        args.config,
-        [
-            f"output_dir={run}",
-            f"model.path={base}",
-            f"data.train={data / 'train.jsonl'}",
-            f"data.eval={data / 'eval.jsonl'}",
-            *args.overrides,
-        ],
-    )
+    base, data = prepare(run, args.task, args.seed)
+    cfg = demo_config(args.config, run, base, data, args.overrides)
     _say(
         f"3/5 training: {cfg.rollout.prompts_per_step} prompts x {cfg.algorithm.group_size} completions per step, "
         f"up to {cfg.train.steps} steps (stops early at {cfg.train.target_accuracy} held-out accuracy)"
@@ -92,25 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     train_min = (time.perf_counter() - t0) / 60
     _say("4/5 evaluating base model and trained adapter on the held-out set")
     ev = run / "eval"
-    common: dict[str, Any] = {
-        "data": str(data / "eval.jsonl"),
-        "max_tokens": cfg.rollout.max_new_tokens,
-        "rewards": [r.name for r in cfg.rewards][:1],
-        "budget": ImageBudget.of(cfg.data),  # the base too is shown the images as the job drew them
-    }
-    reports = {
-        "base": evaluate_local(base=str(base), adapter=None, out=str(ev / "base.json"), **common),
-        "final": evaluate_local(
-            base=str(base), adapter=str(result.adapter_dir), out=str(ev / "final.json"), **common
-        ),
-        "final, images permuted": evaluate_local(
-            base=str(base),
-            adapter=str(result.adapter_dir),
-            out=str(ev / "final_ablated.json"),
-            ablate_images=True,
-            **common,
-        ),
-    }
+    reports = evaluate_trained(cfg, base, data, result.adapter_dir, ev, with_base=True)
     if args.task == EASY_VQA:
         question, chance = "", "yes/no 0.5, shape 0.333, color 0.125"
     else:
@@ -124,6 +80,67 @@ def main(argv: list[str] | None = None) -> int:
         _per_type_table(by_type)
     learned = reports["final"]["accuracy"] >= (cfg.train.target_accuracy or 0.9)
     return 0 if learned else 1
+
+
+def prepare(run: Path, task: str, seed: int) -> tuple[Path, Path]:
+    """Steps 1-2: the tiny base model and the task's data under `run` (each kept when it exists), and the
+    outputs of an earlier training there removed; returns (base model dir, data dir)."""
+    from visionrl.data.easy_vqa import TASK_NAME as EASY_VQA
+    from visionrl.data.easy_vqa import write_easy_vqa
+    from visionrl.data.synthetic import make_dataset
+    from visionrl.models.tiny import build_tiny_model
+
+    base, data = run / "base-model", run / "data"
+    if not (base / "config.json").is_file():
+        _say(f"1/5 building the tiny base model in {base} (random init + ~30 s pre-training)")
+        build_tiny_model(base, seed=seed, pretrain=True, recipe=task)
+    else:
+        _say(f"1/5 base model: {base} (exists)")
+    if not (data / "eval.jsonl").is_file():
+        _say(f"2/5 writing the {task} data into {data}")
+        if task == EASY_VQA:
+            write_easy_vqa(data, None, EASY_VQA_EVAL, seed=seed)
+        else:
+            make_dataset(data, task, num_train=512, num_eval=128, seed=seed)
+    else:
+        _say(f"2/5 data: {data} (exists)")
+    for stale in ("tensorboard", "checkpoints", "adapter", "eval"):
+        shutil.rmtree(run / stale, ignore_errors=True)
+    return base, data
+
+
+def demo_config(config: str | Path, run: Path, base: Path, data: Path, overrides: list[str]) -> JobConfig:
+    """The demo's job file pointed at `run`, its base model and data, with the user's overrides last."""
+    from visionrl.config import load_config
+
+    paths = [f"output_dir={run}", f"model.path={base}", f"data.train={data / 'train.jsonl'}"]
+    return load_config(config, [*paths, f"data.eval={data / 'eval.jsonl'}", *overrides])
+
+
+def evaluate_trained(
+    cfg: JobConfig, base: Path, data: Path, adapter: Path, ev: Path, *, with_base: bool
+) -> dict[str, dict[str, Any]]:
+    """Step 4: held-out reports of the base (if `with_base`), the trained adapter, and the adapter with the images
+    permuted across questions (back at chance when the model reads the image), written under `ev`."""
+    from visionrl.data.images import ImageBudget
+    from visionrl.eval.local import evaluate_local
+
+    common: dict[str, Any] = {
+        "data": str(data / "eval.jsonl"),
+        "max_tokens": cfg.rollout.max_new_tokens,
+        "rewards": [r.name for r in cfg.rewards][:1],
+        "budget": ImageBudget.of(cfg.data),  # the base too is shown the images as the job drew them
+    }
+    reports = {}
+    if with_base:
+        reports["base"] = evaluate_local(base=str(base), adapter=None, out=str(ev / "base.json"), **common)
+    reports["final"] = evaluate_local(
+        base=str(base), adapter=str(adapter), out=str(ev / "final.json"), **common
+    )
+    reports["final, images permuted"] = evaluate_local(
+        base=str(base), adapter=str(adapter), out=str(ev / "final_ablated.json"), ablate_images=True, **common
+    )
+    return reports
 
 
 def per_type(report: dict[str, Any], data: Path) -> dict[str, tuple[float, int]]:

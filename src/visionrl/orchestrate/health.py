@@ -95,3 +95,56 @@ class RunHealth:
 
     def _shown(self) -> str:
         return "\n".join(f"  - {e}" for e in self.errors)
+
+
+ENTROPY_FLOOR = 0.05  # mean policy entropy per token (nats) below which sampling barely explores
+SIGNAL_FLOOR = 0.05  # share of groups with any reward difference below which the updates carry almost nothing
+COLLAPSE_STEPS = 3  # steps in a row under both floors before the warning
+
+
+class CollapseWatch:
+    """Warns (once) when the policy has collapsed before reaching the target: for COLLAPSE_STEPS steps in a row its
+    entropy is under ENTROPY_FLOOR and under SIGNAL_FLOOR of the groups have any reward difference, while the
+    latest held-out accuracy is below `train.target_accuracy` (or there is no target or no evaluation yet). Every
+    group's samples then agree, the group-relative advantages are zero and learning stops where it is; the message
+    names the settings that keep a policy exploring, with values to try."""
+
+    def __init__(self, algo: Any, target: float | None) -> None:
+        self.algo, self.target = algo, target
+        self.in_a_row, self.warned = 0, False
+
+    def after_step(self, step: int, m: dict[str, Any], accuracy: float | None) -> bool:
+        """Record one step's metrics and the latest held-out accuracy; True when it warned this step."""
+        entropy, signal = m.get(tags.ENTROPY), m.get(tags.GROUPS_WITH_SIGNAL)
+        if entropy is None or signal is None:
+            return False
+        reached = accuracy is not None and self.target is not None and accuracy >= self.target
+        collapsed = entropy < ENTROPY_FLOOR and signal < SIGNAL_FLOOR and not reached
+        self.in_a_row = self.in_a_row + 1 if collapsed else 0
+        if self.warned or self.in_a_row < COLLAPSE_STEPS:
+            return False
+        self.warned = True
+        acc = "not evaluated yet" if accuracy is None else f"{accuracy:.3f}"
+        target = "" if self.target is None else f" (target {self.target})"
+        logger.warning(
+            "step %d: the policy has collapsed: entropy %.3g nats per token and %.0f%% of groups with any reward "
+            "difference for %d steps in a row, held-out accuracy %s%s. Every group's samples agree, so the "
+            "advantages are zero and learning has stopped. Keep it exploring: %s",
+            step,
+            entropy,
+            100 * signal,
+            self.in_a_row,
+            acc,
+            target,
+            "; ".join(self.remedies()),
+        )
+        return True
+
+    def remedies(self) -> list[str]:
+        """The exploration settings, each with its value now and one to try (DAPO's, and an entropy bonus)."""
+        a = self.algo
+        return [
+            f"algorithm.clip_high (now {a.clip_high}; DAPO clip-higher: {max(0.28, a.clip_high + 0.08):.2f})",
+            f"algorithm.dynamic_sampling (now {str(a.dynamic_sampling).lower()}; try true)",
+            f"algorithm.entropy_coef (now {a.entropy_coef}; try {max(0.01, 2 * a.entropy_coef):g})",
+        ]

@@ -27,7 +27,7 @@ from visionrl.metrics import MetricsWriter, Progress
 from visionrl.orchestrate import preemption
 from visionrl.orchestrate.actors import ray_session, start_actors
 from visionrl.orchestrate.failures import resume_hint, run_error, run_log, stopped
-from visionrl.orchestrate.health import RunHealth
+from visionrl.orchestrate.health import CollapseWatch, RunHealth
 from visionrl.orchestrate.pipeline import Prefetch, warn_about_async_steps
 from visionrl.orchestrate.preemption import stop_on_signals
 from visionrl.orchestrate.remote import ActorProblem, first_line
@@ -96,6 +96,7 @@ def _train(cfg: JobConfig, run: RunDir, ckpt: Path | None, prompts_in: PromptStr
         history_file.trim(run.history, start)  # steps after the checkpoint will be run again
         tb.purge_from(start + 1)  # ... and shown once in TensorBoard (a fresh run: none of an earlier one)
         health = RunHealth(cfg.train.max_consecutive_skips)
+        collapse = CollapseWatch(cfg.algorithm, cfg.train.target_accuracy)  # warns when exploration has died
         progress, acc, above = Progress(cfg.train.steps, start_step=start), None, 0
         history: list[dict[str, Any]] = []
         for step in range(start + 1, cfg.train.steps + 1):
@@ -143,6 +144,7 @@ def _train(cfg: JobConfig, run: RunDir, ckpt: Path | None, prompts_in: PromptStr
                 acc, eval_failed = _evaluate(workers, prompts_in, step)  # acc None: no eval data, or stopped
                 m[tags.EVAL_ACCURACY] = acc
                 above = above + 1 if acc is not None and acc >= (cfg.train.target_accuracy or 2.0) else 0
+            collapse.after_step(step, m, acc)
             _log(tb, run, step, m, rewards, completions, prompts, scores, cfg)
             history.append({"step": step, **m})
             progress.update(step, reward=m[tags.REWARD_MEAN], acc=acc)
@@ -404,6 +406,7 @@ def _step_metrics(
         tags.REWARD_MEAN: float(rewards.mean()),
         tags.REWARD_STD: float(rewards.std(unbiased=False)),
         tags.ZERO_STD_FRACTION: float(gs["zero_std_fraction"]),
+        tags.GROUPS_WITH_SIGNAL: 1.0 - float(gs["zero_std_fraction"]),
         tags.REWARD_ERRORS: float(sum(scores.num_errors.values())),
         tags.REWARD_TIMEOUTS: float(sum(scores.num_timeouts.values())),
         tags.LENGTH_MEAN: float(lengths.mean()),
