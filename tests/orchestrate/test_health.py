@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
 
+from visionrl import metrics as tags
+from visionrl.config import AlgorithmConfig
 from visionrl.errors import RunError
 from visionrl.metrics import GRAD_NORM, LOSS_TOTAL, SKIPPED_UPDATES
-from visionrl.orchestrate.health import RunHealth, failed_rewards
+from visionrl.orchestrate.health import CollapseWatch, RunHealth, failed_rewards
 from visionrl.rewards import RewardResult
 
 
@@ -59,3 +62,40 @@ def test_finish_refuses_a_run_that_never_applied_an_update_or_never_scored() -> 
     healthy.after_step(1, _stats(1, 0), _scores(2, {"a": 1}))  # one error of two samples: fine
     healthy.after_step(2, {}, _scores(2))  # dynamic sampling kept no group: nothing tried, nothing wrong
     healthy.finish()
+
+
+def _metrics(entropy: float, signal: float) -> dict[str, float]:
+    return {tags.ENTROPY: entropy, tags.GROUPS_WITH_SIGNAL: signal}
+
+
+def test_collapse_warns_once_after_three_collapsed_steps_below_the_target_naming_the_remedies(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    algo = AlgorithmConfig(clip_high=0.2, entropy_coef=0.0, dynamic_sampling=False)
+    watch = CollapseWatch(algo, target=0.9)
+    caplog.set_level(logging.WARNING, logger="visionrl.orchestrate.health")
+    # step 1 collapsed, step 2 not (entropy 0.3), then 3 collapsed in a row: the warning comes at the 3rd (step 5)
+    steps = [(0.01, 0.0), (0.3, 0.0), (0.01, 0.03), (0.04, 0.0), (0.01, 0.0), (0.01, 0.0)]
+    warned = [watch.after_step(i + 1, _metrics(e, s), 0.72) for i, (e, s) in enumerate(steps)]
+    assert warned == [False, False, False, False, True, False]  # once per run
+    (record,) = [r for r in caplog.records if "collapsed" in r.getMessage()]
+    msg = record.getMessage()
+    assert "step 5" in msg and "0.720" in msg and "target 0.9" in msg and "3 steps in a row" in msg
+    assert "algorithm.clip_high (now 0.2; DAPO clip-higher: 0.28)" in msg
+    assert "algorithm.dynamic_sampling (now false; try true)" in msg
+    assert "algorithm.entropy_coef (now 0.0; try 0.01)" in msg
+
+
+def test_no_collapse_warning_at_the_target_or_with_signal_or_entropy() -> None:
+    algo = AlgorithmConfig()
+    at_target = CollapseWatch(algo, target=0.9)
+    assert not any(at_target.after_step(s, _metrics(0.0, 0.0), 0.93) for s in range(1, 10))  # learned: fine
+    with_signal = CollapseWatch(algo, target=0.9)  # deterministic-looking but 6% of groups still disagree
+    assert not any(with_signal.after_step(s, _metrics(0.01, 0.06), 0.5) for s in range(1, 10))
+    exploring = CollapseWatch(algo, target=0.9)
+    assert not any(exploring.after_step(s, _metrics(0.06, 0.0), 0.5) for s in range(1, 10))
+    no_eval_yet = CollapseWatch(algo, target=None)  # no target and no evaluation: a collapse is a collapse
+    assert [no_eval_yet.after_step(s, _metrics(0.0, 0.0), None) for s in (1, 2, 3)] == [False, False, True]
+    assert not CollapseWatch(algo, 0.9).after_step(
+        1, {}, None
+    )  # a step without learner stats: nothing to say
