@@ -163,7 +163,3 @@ def gather(
             except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as err:
                 raise ActorFailed(calls[i].role, calls[i].index, phase, err) from err
     return results
-
-
-def gather_one(call: Call, phase: str, timeout_s: float, key: str, interruptible: bool = False) -> Any:
-    return gather([call], phase, timeout_s, key, interruptible)[0]
