@@ -46,7 +46,6 @@ CLIP_FRACTION = "policy/clip_fraction"
 ENTROPY = "policy/entropy"
 GRAD_NORM = "policy/grad_norm"
 APPROX_KL = "policy/approx_kl"
-KL_REF = "policy/kl_ref"
 LR = "policy/lr"
 LENGTH_MEAN = "response/length_mean"
 LENGTH_MAX = "response/length_max"
@@ -66,7 +65,9 @@ ADAPTER_VERSION = "rollout/adapter_version"
 # 0 synchronous, 1 with rollout.async_steps=1
 STALENESS = "rollout/staleness"
 TIMING_ROLLOUT_WAIT = "timing/rollout_wait_s"  # async: waiting after the update for the next batch's rollouts
-GROUPS_WITH_SIGNAL = "rollout/groups_with_signal"  # share of groups whose rewards differ (1 - zero_std_fraction)
+GROUPS_WITH_SIGNAL = (
+    "rollout/groups_with_signal"  # share of groups whose rewards differ (1 - zero_std_fraction)
+)
 GROUPS_KEPT = "rollout/groups_kept"  # groups left after dynamic sampling drops zero-signal ones
 SAMPLING_ROUNDS = "rollout/sampling_rounds"  # prompt batches sampled this step (dynamic sampling)
 SKIPPED_PROMPTS = "rollout/skipped_prompts"  # prompts the engine rejected this step (left out, not the batch)

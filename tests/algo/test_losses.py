@@ -1,4 +1,5 @@
-"""Tests of visionrl.algo.losses: clipped policy loss, aggregations, KL estimators, entropy, log-probs."""
+"""Tests of PPO's clipped policy loss (visionrl.algo.policy_losses), the aggregations (visionrl.algo.aggregation),
+and the KL estimators, entropy and token log-probs (visionrl.algo.losses)."""
 
 from __future__ import annotations
 

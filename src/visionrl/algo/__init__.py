@@ -8,7 +8,7 @@ with hand-derived numbers and reused unchanged by the single-process and the dis
 - ``aggregation``: masked means and the named ways per-token values become one loss.
 - ``policy_losses``: the surrogate losses ``LOSS_KINDS`` (PPO, GSPO, CISPO, SAPO), with per-token weights.
 - ``rollout_correction``: bounded importance weights for the engine-vs-learner mismatch.
-- ``losses``: KL estimators, entropy, token log-probs (and re-exports of the above losses).
+- ``losses``: KL estimators, entropy, token log-probs.
 """
 
 from visionrl.algo.advantages import ADVANTAGE_SCALES, group_advantages, group_stats, groups_with_signal

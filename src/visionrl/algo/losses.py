@@ -1,12 +1,8 @@
-"""Per-token losses of GRPO-style policy optimisation: pure tensor math, no I/O.
+"""Per-token terms of GRPO-style losses besides the policy loss: KL estimators, entropy, token log-probs.
 
-Shapes: B sequences (completions) by T padded response tokens. ``mask`` is [B, T], nonzero on real
-response tokens and zero on padding; values under the mask's zeros never reach a loss, a metric or a
-gradient, even if they are NaN.
-
-This module holds the KL estimators (looked up by name in ``_KL_KINDS``), the entropy and the token
-log-probs, and re-exports the masked reductions (``visionrl.algo.aggregation``) and the policy-loss
-variants (``visionrl.algo.policy_losses``), so ``visionrl.algo.losses.policy_loss`` keeps working.
+Pure tensor math, no I/O. Shapes: B sequences (completions) by T padded response tokens. The KL estimators
+are looked up by name in ``_KL_KINDS``; they return per-token values, which ``visionrl.algo.aggregation``
+reduces the way the policy loss (``visionrl.algo.policy_losses``) is reduced.
 """
 
 from __future__ import annotations
@@ -16,20 +12,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from visionrl.algo.aggregation import AGGREGATIONS, aggregate, masked_mean
-from visionrl.algo.policy_losses import LOSS_KINDS, policy_loss
-
-__all__ = [
-    "AGGREGATIONS",
-    "KL_KINDS",
-    "LOSS_KINDS",
-    "aggregate",
-    "entropy_from_logits",
-    "kl_penalty",
-    "masked_mean",
-    "policy_loss",
-    "token_logprobs",
-]
+__all__ = ["KL_KINDS", "entropy_from_logits", "kl_penalty", "token_logprobs"]
 
 # k3 is clamped to [-10, 10]; its argument reaches that clamp well inside +-20 (k3(2.7) > 10 and
 # k3(-11.1) > 10), so pre-clamping at +-20 changes no value but keeps exp() from overflowing.

@@ -31,7 +31,6 @@ from visionrl.rewards import RewardSpec, build_reward_fn
 from visionrl.types import Generation, PromptItem
 
 FORBIDDEN_BIAS = -100  # the most negative logit bias the OpenAI API accepts
-MAX_FAILED_FRACTION = 0.1  # `visionrl eval --endpoint` exits non-zero when more requests than this failed
 
 
 def image_data_url(image: Image.Image) -> str:
