@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import overload
 
 import torch
 from torch import Tensor
@@ -172,47 +171,6 @@ def _check_policy_inputs(
     for name, tau in (("tau_pos", s.tau_pos), ("tau_neg", s.tau_neg)):
         if not tau > 0:
             raise ValueError(f"{name} must be > 0 (the sharpness of SAPO's gate), got {tau!r}")
-
-
-# The first overload is the PPO-only call shape: callers that unpack a dict[str, float] of normalisers
-# (``**norms``) type-check against it, since mypy would otherwise match those floats to ``kind`` and
-# ``weights``. It can go once every caller passes ``kind`` and ``weights`` explicitly.
-@overload
-def policy_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    clip_low: float = ...,
-    clip_high: float = ...,
-    dual_clip: float | None = ...,
-    aggregation: str = ...,
-    num_tokens: float | None = ...,
-    num_sequences: float | None = ...,
-    norm_length: float | None = ...,
-) -> tuple[Tensor, dict[str, Tensor]]: ...
-
-
-@overload
-def policy_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    clip_low: float = ...,
-    clip_high: float = ...,
-    dual_clip: float | None = ...,
-    aggregation: str = ...,
-    kind: str = ...,
-    weights: Tensor | None = ...,
-    tau_pos: float = ...,
-    tau_neg: float = ...,
-    num_tokens: float | None = ...,
-    num_sequences: float | None = ...,
-    norm_length: float | None = ...,
-) -> tuple[Tensor, dict[str, Tensor]]: ...
 
 
 def policy_loss(
