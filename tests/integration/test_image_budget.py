@@ -87,7 +87,7 @@ def test_learner_and_vllm_count_the_same_image_tokens_and_rejected_prompts_are_s
 ) -> None:
     from vllm import SamplingParams
 
-    from visionrl.orchestrate.workers import PromptStream
+    from visionrl.orchestrate.prompt_stream import PromptStream
     from visionrl.rollout.vllm_engine import VLLMEngine
     from visionrl.train.batching import Sequence
     from visionrl.train.learner import Learner, TrainBatch

@@ -150,7 +150,8 @@ def test_two_engines_take_whole_groups_and_serve_every_adapter_version(
     import ray
 
     from visionrl.orchestrate.actors import ray_session, start_actors
-    from visionrl.orchestrate.workers import PromptStream, Workers, _engine_spec
+    from visionrl.orchestrate.prompt_stream import PromptStream
+    from visionrl.orchestrate.workers import Workers, _engine_spec
     from visionrl.types import SamplingSpec
 
     caplog.set_level(logging.INFO, logger="visionrl")

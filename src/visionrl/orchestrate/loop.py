@@ -30,10 +30,13 @@ from visionrl.orchestrate.failures import resume_hint, run_error, run_log, stopp
 from visionrl.orchestrate.health import CollapseWatch, RunHealth
 from visionrl.orchestrate.pipeline import Prefetch, warn_about_async_steps
 from visionrl.orchestrate.preemption import stop_on_signals
+from visionrl.orchestrate.prompt_stream import PromptStream
 from visionrl.orchestrate.remote import ActorProblem, first_line
 from visionrl.orchestrate.resume import ResumeMode, checkpoint_to_resume
-from visionrl.orchestrate.workers import PromptStream, Workers, merge_results, rollout_samples
+from visionrl.orchestrate.step_log import rollout_samples
+from visionrl.orchestrate.workers import Workers
 from visionrl.rewards import RewardResult
+from visionrl.rewards.merge import merge_results
 from visionrl.rollout.scratch import remove_orphaned_scratch
 from visionrl.run_layout import RunDir
 from visionrl.train.batching import Sequence

@@ -1,14 +1,14 @@
-"""What the loop calls: the prompt stream (data side) and `Workers`, the fan-out over Ray actors.
+"""The fan-out over Ray actors: `Workers`, the loop's view of the learner ranks, engines and reward workers.
 
-`Workers` hides how many learner ranks, engines and reward workers there are: every learner call goes to all
-ranks (`orchestrate.learners`), prompts are split evenly over engines (each prompt's group on one engine),
-completions over reward workers, and every adapter version is put in the object store once and loaded by all
-engines.
+`Workers` hides how many of each there are: every learner call goes to all ranks (`orchestrate.learners`),
+prompts are split evenly over engines (each prompt's group on one engine), completions over reward workers, and
+every adapter version is put in the object store once and loaded by all engines. It also restarts an engine or
+reward worker that died or hung, and writes what the driver writes (checkpoints, the final adapter). The data
+side is `orchestrate.prompt_stream`; merging the reward workers' parts is `rewards.merge`.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -20,16 +20,10 @@ import ray
 
 from visionrl import metrics as tags
 from visionrl.config import JobConfig
-from visionrl.data import PromptSampler, VisionDataset, load_dataset
-from visionrl.data.images import ImageBudget
-from visionrl.data.layouts import Layout
-from visionrl.data.lengths import fit_to_engine
-from visionrl.data.prompts import build_prompt
-from visionrl.data.sampler import draw_samples
 from visionrl.errors import RunError, StorageError, storage_errors
-from visionrl.models.loader import load_processor
 from visionrl.orchestrate.failures import resume_hint
 from visionrl.orchestrate.learners import CALL_KEY, LearnerGroup
+from visionrl.orchestrate.prompt_stream import PromptStream
 from visionrl.orchestrate.remote import (
     ENGINE,
     LEARNER,
@@ -40,8 +34,8 @@ from visionrl.orchestrate.remote import (
     Call,
     gather,
 )
-from visionrl.pictures import RolloutSample
 from visionrl.rewards import CombinedReward, RewardResult, build_reward_fn
+from visionrl.rewards.merge import merge_results
 from visionrl.run_layout import RunDir
 from visionrl.train.learner import TrainBatch
 from visionrl.types import Completion, PromptItem, SamplingSpec
@@ -49,70 +43,6 @@ from visionrl.types import Completion, PromptItem, SamplingSpec
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 ACTOR_RESTARTS_KEY = "actor_restarts"  # in a checkpoint's extra: the restarts the run had used by then
-
-
-class PromptStream:
-    """Batches of chat-templated prompts from the training data, resumable; and the held-out prompts.
-
-    Records the engines could not take (more images than data.max_images_per_prompt, or a prompt that with
-    rollout.max_new_tokens exceeds rollout.max_model_len) are dropped at load and listed in the log
-    (`visionrl.data.lengths`)."""
-
-    def __init__(self, cfg: JobConfig) -> None:
-        self.cfg = cfg
-        self.processor = load_processor(cfg.model.path, ImageBudget.of(cfg.data))
-        d = cfg.data
-        layout = Layout(prompt_key=d.prompt_key, answer_key=d.answer_key, image_key=d.image_key)
-        self.train = self._fit(load_dataset(d.train, on_bad_image=d.on_bad_image, layout=layout))
-        self.sampler = PromptSampler(
-            self.train, cfg.rollout.prompts_per_step, cfg.train.seed, balance_key=d.balance_key
-        )
-        self._eval_data = None
-        if d.eval is not None:
-            self._eval_data = self._fit(
-                load_dataset(
-                    d.eval, on_bad_image=d.on_bad_image, max_samples=d.max_eval_samples, layout=layout
-                )
-            )
-        self._eval: list[PromptItem] | None = None
-
-    def _fit(self, dataset: VisionDataset) -> VisionDataset:
-        cfg = self.cfg
-        fitted, _ = fit_to_engine(
-            dataset,
-            self.processor,
-            ImageBudget.of(cfg.data),
-            max_model_len=cfg.rollout.max_model_len,
-            max_new_tokens=cfg.rollout.max_new_tokens,
-            system_prompt=cfg.data.system_prompt,
-        )
-        return fitted
-
-    def next_batch(self) -> list[PromptItem]:
-        return [self._prompt(s) for s in draw_samples(self.train, self.sampler)]
-
-    def data_metrics(self) -> dict[str, float]:
-        """Records skipped for bad images: at load, and mid-run so far (each replaced by another record)."""
-        return {
-            tags.DATA_SKIPPED_AT_LOAD: float(self.train.num_skipped),
-            tags.DATA_SKIPPED_MIDRUN: float(len(self.sampler.excluded)),
-        }
-
-    def _prompt(self, sample: Any) -> PromptItem:
-        return build_prompt(sample, self.processor, self.cfg.data.system_prompt)
-
-    def probe_prompts(self, n: int = 4) -> list[PromptItem]:
-        """A few training prompts for the start-up adapter probe; the sampler's position is not touched."""
-        return [self._prompt(self.train[i]) for i in range(min(n, len(self.train)))]
-
-    def eval_prompts(self) -> list[PromptItem]:
-        if self._eval_data is None:
-            return []
-        if self._eval is None:
-            self._eval = [self._prompt(s) for s in self._eval_data]
-        return self._eval
-
-
 PROBE_MIN_CHANGE = 1e-4  # a non-zero adapter moves a greedy log-prob by far more; 0 means it was not applied
 ENGINE_SEED_STRIDE = 1_000_003  # engines draw from disjoint seed streams: no two samples share noise
 
@@ -430,52 +360,3 @@ def _reward_record(p: PromptItem) -> dict[str, Any]:
     record = dict(p.record)
     record.setdefault("answer", p.answer)
     return record
-
-
-def merge_results(parts: list[RewardResult]) -> RewardResult:
-    """One RewardResult of several consecutive parts (reward workers, or sampling rounds)."""
-    if len(parts) == 1:
-        return parts[0]
-    first = parts[0]
-    return RewardResult(
-        total=[x for p in parts for x in p.total],
-        per_reward={k: [x for p in parts for x in p.per_reward[k]] for k in first.per_reward},
-        num_errors={k: sum(p.num_errors[k] for p in parts) for k in first.num_errors},
-        num_timeouts={k: sum(p.num_timeouts[k] for p in parts) for k in first.num_timeouts},
-        error_examples={k: v for p in reversed(parts) for k, v in p.error_examples.items()},
-    )
-
-
-def rollout_samples(
-    prompts: list[PromptItem], completions: list[list[Completion]], totals: list[float], n: int
-) -> list[RolloutSample]:
-    """A few rollouts (the first completion of the first `n` groups) for the TensorBoard picture grid."""
-    out = []
-    G = len(completions[0]) if completions else 1
-    for i, (p, group) in enumerate(zip(prompts[:n], completions[:n], strict=False)):
-        if not p.images:
-            continue
-        question = _question_text(p.record)
-        out.append(
-            RolloutSample(
-                image=p.images[0],
-                question=question,
-                completion=group[0].text,
-                answer=json.dumps(p.answer) if not isinstance(p.answer, str) else p.answer,
-                reward=float(totals[i * G]),
-            )
-        )
-    return out
-
-
-def _question_text(record: dict[str, Any]) -> str:
-    if isinstance(record.get("prompt"), str):
-        return record["prompt"]
-    texts = []
-    for msg in record.get("messages", []):
-        content = msg.get("content")
-        if isinstance(content, str):
-            texts.append(content)
-        else:
-            texts.extend(part.get("text", "") for part in content or [] if part.get("type") == "text")
-    return " ".join(t for t in texts if t)
