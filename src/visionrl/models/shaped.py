@@ -13,6 +13,17 @@ import json
 from pathlib import Path
 from typing import Any
 
+from visionrl.models.tiny import (
+    BASE_WORDS,
+    QWEN3_TINY_TEXT,
+    QWEN3_TINY_VISION,
+    qwen3_rope,
+    save_qwen_processor,
+    save_qwen_tokenizer,
+    text_token_fields,
+    vision_token_fields,
+)
+
 # Qwen3-VL-8B-Instruct's shapes: text 36 layers x 4096, vision 27 blocks x 1152, deepstack at 8/16/24.
 TEXT_8B: dict[str, Any] = {
     "hidden_size": 4096,
@@ -24,12 +35,7 @@ TEXT_8B: dict[str, Any] = {
     "vocab_size": 151936,
     "max_position_embeddings": 262144,
     "rms_norm_eps": 1e-6,
-    "rope_parameters": {
-        "rope_type": "default",
-        "rope_theta": 5_000_000.0,
-        "mrope_section": [24, 20, 20],
-        "mrope_interleaved": True,
-    },
+    "rope_parameters": qwen3_rope([24, 20, 20]),
 }
 VISION_8B: dict[str, Any] = {
     "depth": 27,
@@ -45,29 +51,8 @@ VISION_8B: dict[str, Any] = {
 }
 # Small shapes with the same structure (and the real vocabulary and token ids), for CPU smoke runs and tests:
 # they satisfy transformers' and vLLM's CPU rules (docs/ENGINE_NOTES.md, "Tiny model rules").
-SMALL_TEXT: dict[str, Any] = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "head_dim": 32,
-    "rope_parameters": {
-        "rope_type": "default",
-        "rope_theta": 5_000_000.0,
-        "mrope_section": [6, 5, 5],
-        "mrope_interleaved": True,
-    },
-}
-SMALL_VISION: dict[str, Any] = {
-    "depth": 2,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_heads": 2,
-    "out_hidden_size": 64,
-    "num_position_embeddings": 256,
-    "deepstack_visual_indexes": [0],
-}
+SMALL_TEXT: dict[str, Any] = dict(QWEN3_TINY_TEXT)
+SMALL_VISION: dict[str, Any] = dict(QWEN3_TINY_VISION)
 # The special tokens of Qwen's tokenizer at their real ids.
 QWEN_SPECIAL_IDS = {
     "<|endoftext|>": 151643,
@@ -92,8 +77,6 @@ def build_qwen_tokenizer(out_dir: Path, words: list[str], vocab_size: int = 1519
     """A word-level fast tokenizer of `vocab_size` ids: `words` first, Qwen's special tokens at their real ids,
     unused filler tokens everywhere else (so every id an engine samples decodes)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
-
-    from visionrl.models.tiny import save_qwen_tokenizer
 
     special_at = {i: t for t, i in QWEN_SPECIAL_IDS.items()}
     if vocab_size <= max(special_at):
@@ -135,7 +118,6 @@ def build_shaped_checkpoint(
     )
 
     from visionrl.data.synthetic import task_vocabulary
-    from visionrl.models.tiny import BASE_WORDS, save_qwen_processor
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -143,20 +125,9 @@ def build_shaped_checkpoint(
     vision_cfg = {**VISION_8B, **(vision or {})}
     ids = build_qwen_tokenizer(out, BASE_WORDS + task_vocabulary(), vocab_size=text_cfg["vocab_size"])
     config = Qwen3VLConfig(
-        text_config={
-            **text_cfg,
-            "model_type": "qwen3_vl_text",
-            "bos_token_id": None,
-            "eos_token_id": ids["<|im_end|>"],
-            "pad_token_id": ids["<|endoftext|>"],
-            "dtype": dtype,
-        },
+        text_config={**text_cfg, "model_type": "qwen3_vl_text", **text_token_fields(ids, dtype)},
         vision_config={**vision_cfg, "model_type": "qwen3_vl_vision"},
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=False,
+        **vision_token_fields(ids),
         dtype=dtype,
     )
     config.architectures = ["Qwen3VLForConditionalGeneration"]

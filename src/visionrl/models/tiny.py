@@ -75,103 +75,99 @@ ARCHS: dict[str, dict[str, Any]] = {
 DEFAULT_ARCH = "qwen3_vl"
 
 
-def tiny_config_dict(vocab_size: int, token_ids: dict[str, int], arch: str = DEFAULT_ARCH) -> dict:
-    """The config of the tiny model of `arch` (see docs/ENGINE_NOTES.md for why each number)."""
-    if arch == "qwen2_5_vl":
-        return _tiny_qwen2_5_vl_config(vocab_size, token_ids)
+def qwen3_rope(mrope_section: list[int]) -> dict[str, Any]:
+    """Qwen3-VL's M-RoPE parameters (theta 5e6, interleaved); `mrope_section` sums to head_dim / 2."""
     return {
-        "architectures": ["Qwen3VLForConditionalGeneration"],
-        "model_type": "qwen3_vl",
-        "image_token_id": token_ids["<|image_pad|>"],
-        "video_token_id": token_ids["<|video_pad|>"],
-        "vision_start_token_id": token_ids["<|vision_start|>"],
-        "vision_end_token_id": token_ids["<|vision_end|>"],
-        "tie_word_embeddings": False,
-        "text_config": {
-            "model_type": "qwen3_vl_text",
-            "vocab_size": vocab_size,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 1,
-            "head_dim": 32,
-            "max_position_embeddings": 4096,
-            "rms_norm_eps": 1e-6,
-            "rope_parameters": {
-                "rope_type": "default",
-                "rope_theta": 5_000_000.0,
-                "mrope_section": [6, 5, 5],
-                "mrope_interleaved": True,
-            },
-            "bos_token_id": None,
-            "eos_token_id": token_ids["<|im_end|>"],
-            "pad_token_id": token_ids["<|endoftext|>"],
-            "dtype": "float32",
-        },
-        "vision_config": {
-            "model_type": "qwen3_vl_vision",
-            "depth": 2,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_heads": 2,
-            "patch_size": 16,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-            "out_hidden_size": 64,
-            "num_position_embeddings": 256,
-            "deepstack_visual_indexes": [0],
-        },
-        "dtype": "float32",
+        "rope_type": "default",
+        "rope_theta": 5_000_000.0,
+        "mrope_section": mrope_section,
+        "mrope_interleaved": True,
     }
 
 
-def _tiny_qwen2_5_vl_config(vocab_size: int, token_ids: dict[str, int]) -> dict:
-    """Qwen2.5-VL scaled down like the Qwen3-VL above. Its text model has no head_dim key (hidden / heads = 32)
-    and plain (not interleaved) M-RoPE: [4, 6, 6] is the real [16, 24, 24] over head_dim 32. Its vision tower
-    has no deepstack; window attention (112-pixel windows, full attention in the last block), patch 14."""
+# The tiny sizes both architectures share (docs/ENGINE_NOTES.md, "Tiny model rules", says why each number).
+_TINY_TEXT: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+}
+_TINY_VISION: dict[str, Any] = {
+    "depth": 2,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_heads": 2,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+    "out_hidden_size": 64,
+}
+#: The tiny Qwen3-VL's text and vision shapes (`models.shaped` builds its small smoke checkpoint from them).
+QWEN3_TINY_TEXT: dict[str, Any] = {**_TINY_TEXT, "head_dim": 32, "rope_parameters": qwen3_rope([6, 5, 5])}
+QWEN3_TINY_VISION: dict[str, Any] = {
+    **_TINY_VISION,
+    "patch_size": ARCHS["qwen3_vl"]["patch"],
+    "num_position_embeddings": 256,
+    "deepstack_visual_indexes": [0],
+}
+# Qwen2.5-VL scaled down like the Qwen3-VL. Its text model has no head_dim key (hidden / heads = 32) and
+# plain (not interleaved) M-RoPE: [4, 6, 6] is the real [16, 24, 24] over head_dim 32. Its vision tower has
+# no deepstack; window attention (112-pixel windows, full attention in the last block), patch 14.
+_QWEN2_5_TINY_TEXT: dict[str, Any] = {
+    **_TINY_TEXT,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [4, 6, 6]},
+}
+_QWEN2_5_TINY_VISION: dict[str, Any] = {
+    **_TINY_VISION,
+    "patch_size": ARCHS["qwen2_5_vl"]["patch"],
+    "window_size": 112,
+    "fullatt_block_indexes": [1],
+    "tokens_per_second": 2,
+}
+_TINY_SHAPES = {
+    "qwen3_vl": (QWEN3_TINY_TEXT, QWEN3_TINY_VISION),
+    "qwen2_5_vl": (_QWEN2_5_TINY_TEXT, _QWEN2_5_TINY_VISION),
+}
+
+
+def vision_token_fields(token_ids: dict[str, int]) -> dict[str, Any]:
+    """The top-level config fields of every checkpoint built here: the ids of the vision tokens, and an
+    lm_head not tied to the embeddings (LoRA can target it)."""
     return {
-        "architectures": [ARCHS["qwen2_5_vl"]["model"]],
-        "model_type": "qwen2_5_vl",
         "image_token_id": token_ids["<|image_pad|>"],
         "video_token_id": token_ids["<|video_pad|>"],
         "vision_start_token_id": token_ids["<|vision_start|>"],
         "vision_end_token_id": token_ids["<|vision_end|>"],
         "tie_word_embeddings": False,
+    }
+
+
+def text_token_fields(token_ids: dict[str, int], dtype: str) -> dict[str, Any]:
+    """The text config's special tokens (no BOS, <|im_end|> ends a turn, <|endoftext|> pads) and dtype."""
+    return {
+        "bos_token_id": None,
+        "eos_token_id": token_ids["<|im_end|>"],
+        "pad_token_id": token_ids["<|endoftext|>"],
+        "dtype": dtype,
+    }
+
+
+def tiny_config_dict(vocab_size: int, token_ids: dict[str, int], arch: str = DEFAULT_ARCH) -> dict:
+    """The config of the tiny model of `arch`, float32 (see docs/ENGINE_NOTES.md for why each number)."""
+    text, vision = _TINY_SHAPES[arch]
+    return {
+        "architectures": [ARCHS[arch]["model"]],
+        "model_type": arch,
+        **vision_token_fields(token_ids),
         "text_config": {
-            "model_type": "qwen2_5_vl_text",
+            **text,
+            "model_type": f"{arch}_text",
             "vocab_size": vocab_size,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 1,
             "max_position_embeddings": 4096,
             "rms_norm_eps": 1e-6,
-            "rope_parameters": {
-                "rope_type": "default",
-                "rope_theta": 1_000_000.0,
-                "mrope_section": [4, 6, 6],
-            },
-            "bos_token_id": None,
-            "eos_token_id": token_ids["<|im_end|>"],
-            "pad_token_id": token_ids["<|endoftext|>"],
-            "dtype": "float32",
+            **text_token_fields(token_ids, "float32"),
         },
-        "vision_config": {
-            "model_type": "qwen2_5_vl_vision",
-            "depth": 2,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_heads": 2,
-            "patch_size": ARCHS["qwen2_5_vl"]["patch"],
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-            "window_size": 112,
-            "fullatt_block_indexes": [1],
-            "out_hidden_size": 64,
-            "tokens_per_second": 2,
-        },
+        "vision_config": {**vision, "model_type": f"{arch}_vision"},
         "dtype": "float32",
     }
 
