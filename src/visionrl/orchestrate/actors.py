@@ -14,8 +14,8 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import psutil
 import ray
@@ -29,9 +29,14 @@ from visionrl.orchestrate.remote import ENGINE, LEARNER, REWARD, Call, gather
 from visionrl.rewards import RewardSpec, build_reward_fn
 from visionrl.rollout.factory import make_engine
 from visionrl.rollout.scratch import process_alive
+from visionrl.train.learner_state import LearnerState
 from visionrl.types import AdapterPayload, Completion, PromptItem, SamplingSpec
 
+if TYPE_CHECKING:
+    from visionrl.train.learner import Learner, TrainBatch
+
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @contextlib.contextmanager
@@ -125,11 +130,15 @@ def _memory_guard(actor: str, phase: str, cfg: JobConfig) -> Iterator[None]:
 @ray.remote
 class LearnerActor:
     """Learner rank `rank` of `world`. The model is loaded in `setup`, once the driver knows rank 0's address:
-    every rank must join the group before any of them builds its (possibly sharded) model."""
+    every rank must join the group before any of them builds its (possibly sharded) model.
+
+    Every rank runs each method (with several ranks it holds collectives); rank 0 speaks for the group, the
+    others return None (their results are equal or partial, never needed). The driver calls them through
+    `orchestrate.learners.LearnerGroup`."""
 
     def __init__(self, cfg: JobConfig, rank: int = 0, world: int = 1) -> None:
         self.cfg, self.rank, self.world, self.calls = cfg, rank, world, 0
-        self.learner: Any = None
+        self.learner: Learner | None = None
 
     def address(self) -> str:
         """Where the group meets (asked of rank 0): a free port of this node."""
@@ -156,18 +165,49 @@ class LearnerActor:
             self.learner = Learner(self.cfg, ranks=ranks)
         return self.learner.forbidden.tolist()
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """`method` of the Learner. Every rank runs it (with several ranks it holds collectives); rank 0 speaks
-        for the group, the others return None (their results are equal or partial, never needed)."""
-        if method == "train_step":
-            self.calls += 1
-            faults.at_call("kill_learner", self.rank, self.calls)
-        with _memory_guard("learner", method, self.cfg):
-            out = getattr(self.learner, method)(*args, **kwargs)
-        return out if self.rank == 0 else None
+    def train_step(self, batch: TrainBatch) -> dict[str, float] | None:
+        """The update on this rank's share of `batch`; the metrics, summed over the ranks."""
+        self.calls += 1
+        faults.at_call("kill_learner", self.rank, self.calls)
+        return self._rank0("train_step", lambda learner: learner.train_step(batch))
+
+    def adapter_payload(self, for_engine: bool = True) -> AdapterPayload | None:
+        """The current adapter: in the engines' dtype, or (`for_engine=False`) in full precision."""
+        return self._rank0("adapter_payload", lambda learner: learner.adapter_payload(for_engine))
+
+    def probe_payload(self) -> AdapterPayload | None:
+        """A random non-zero adapter of this run's layout, for the engines' start-up probe."""
+        return self._rank0("probe_payload", lambda learner: learner.probe_payload())
+
+    def save(self) -> LearnerState | None:
+        """What a checkpoint keeps: the adapter in full precision and the trainer state."""
+        return self._rank0(
+            "save",
+            lambda learner: LearnerState(
+                adapter=learner.adapter_payload(for_engine=False),
+                trainer_state=learner.state_dict()["trainer_state"],
+            ),
+        )
+
+    def load(self, adapter_dir: str, trainer_state: bytes) -> None:
+        """Restore the adapter in `adapter_dir` (a checkpoint's) and the trainer state saved with it."""
+        self._rank0("load", lambda learner: learner.load_state(adapter_dir, trainer_state))
+
+    def logprobs(self, batch: TrainBatch, adapter: bool = True) -> list[list[float]] | None:
+        """Log-probs of every sequence's completion tokens, with the adapter or the base model."""
+        return self._rank0("logprobs", lambda learner: learner.logprobs(batch, adapter))
 
     def placement(self) -> dict[str, Any]:
         return _placement()
+
+    def _rank0(self, phase: str, run: Callable[[Learner], T]) -> T | None:
+        """`run(learner)` on this rank, an out-of-memory error turned into one that says what to change; rank 0's
+        result (None on the other ranks)."""
+        if self.learner is None:
+            raise RuntimeError(f"learner rank {self.rank}: {phase} before setup")
+        with _memory_guard("learner", phase, self.cfg):
+            out = run(self.learner)
+        return out if self.rank == 0 else None
 
 
 @ray.remote

@@ -1,26 +1,48 @@
-"""The learner ranks seen by the loop as one learner.
+"""The learner ranks seen by the loop as one learner: `LearnerGroup`, a typed method for each `LearnerActor` method.
 
-Every Learner method the loop uses (train_step, adapter_payload, probe_payload, state_dict, load_state) holds collectives when there are several ranks (summed gradients and metrics; with FSDP the
-gathered adapter and optimizer state), so each call goes to every rank at once, under one deadline, and rank 0's
-result stands for the group (the others return None: `LearnerActor.call`). A rank that fails or hangs is named
-by its index; the learner is never restarted (its optimizer state lives only there), so the run stops with the
-checkpoint to resume from.
+Every learner method the loop uses (the train step, the adapter payload for engines or checkpoints, the probe
+payload, saving and loading the state, log-probs) holds collectives when there are several ranks (summed
+gradients and metrics; with FSDP the gathered adapter and optimizer state), so each call goes to every rank at
+once, under one deadline (ray.call_timeout_s), and rank 0's result stands for the group (the others return None).
+A rank that fails or hangs is named by its index; the learner is never restarted (its optimizer state lives only
+there), so the run stops with the checkpoint to resume from.
+
+Two kinds of method: most wait and return the result; the `..._pending` ones return a `Pending` at once, whose
+`ref` (rank 0's result, still in the object store) goes to the engines as it is and whose `calls` the caller
+waits for together with the engines' calls.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import ray
 
 from visionrl.orchestrate.remote import LEARNER, ActorFailed, Call, gather
+from visionrl.types import AdapterPayload
+
+if TYPE_CHECKING:
+    from visionrl.train.learner import TrainBatch
+    from visionrl.train.learner_state import LearnerState
 
 CALL_KEY = "ray.call_timeout_s"
 DEATH_GRACE_S = 10.0  # how long a rank's failure waits for news of another rank's death
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Pending(Generic[T]):
+    """A learner call in flight on every rank, its result of type T."""
+
+    ref: Any  # the ObjectRef of rank 0's result: hand it to engines as it is (resolved once, in the store)
+    calls: list[Call]  # every rank's call, rank 0's first: wait for all of them (each rank takes part)
 
 
 class LearnerGroup:
-    """`ray.num_learners` LearnerActors (rank i at index i)."""
+    """`ray.num_learners` LearnerActors (rank i at index i), called as one learner."""
 
     def __init__(self, actors: list[Any], timeout_s: float) -> None:
         self.actors, self.timeout_s = actors, timeout_s
@@ -28,15 +50,43 @@ class LearnerGroup:
     def __len__(self) -> int:
         return len(self.actors)
 
-    def start(self, method: str, *args: Any) -> tuple[Any, list[Call]]:
-        """Start `method` on every rank: (rank 0's result ref, to hand to engines as it is, and every rank's
-        call, which the caller must wait for too)."""
-        calls = [Call(a.call.remote(method, *args), LEARNER, i) for i, a in enumerate(self.actors)]
-        return calls[0].ref, calls
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """The update on `batch`: its metrics, summed over the ranks already."""
+        return self._wait("update", self._start(lambda a: a.train_step.remote(batch)))
 
-    def call(self, phase: str, method: str, *args: Any) -> Any:
-        """`method` on every rank, waited for (ray.call_timeout_s); rank 0's result."""
-        _, calls = self.start(method, *args)
+    def adapter_payload(self, phase: str, *, for_engine: bool) -> AdapterPayload:
+        """The current adapter (`for_engine=False`: in full precision), for the driver to write."""
+        return self._wait(phase, self._start(lambda a: a.adapter_payload.remote(for_engine)))
+
+    def adapter_payload_pending(self) -> Pending[AdapterPayload]:
+        """The current adapter for the engines, started on every rank."""
+        return self._pending(self._start(lambda a: a.adapter_payload.remote(True)))
+
+    def probe_payload_pending(self) -> Pending[AdapterPayload]:
+        """A random non-zero adapter of this run's layout (version -1) for the engines' probe, started."""
+        return self._pending(self._start(lambda a: a.probe_payload.remote()))
+
+    def save(self) -> LearnerState:
+        """What a checkpoint keeps: the adapter in full precision and the trainer state."""
+        return self._wait("checkpoint", self._start(lambda a: a.save.remote()))
+
+    def load(self, adapter_dir: Path, trainer_state: bytes) -> None:
+        """Every rank restores the adapter in `adapter_dir` and the trainer state of a checkpoint."""
+        self._wait("resume", self._start(lambda a: a.load.remote(str(adapter_dir), trainer_state)))
+
+    def logprobs(self, batch: TrainBatch, adapter: bool = True) -> list[list[float]]:
+        """Log-probs of every sequence's completion tokens, with the adapter or (`adapter=False`) the base model."""
+        return self._wait("log-probs", self._start(lambda a: a.logprobs.remote(batch, adapter)))
+
+    def _start(self, method: Callable[[Any], Any]) -> list[Call]:
+        return [Call(method(actor), LEARNER, i) for i, actor in enumerate(self.actors)]
+
+    @staticmethod
+    def _pending(calls: list[Call]) -> Pending[Any]:
+        return Pending(calls[0].ref, calls)
+
+    def _wait(self, phase: str, calls: list[Call]) -> Any:
+        """Every rank's call waited for under one deadline; rank 0's result."""
         try:
             return gather(calls, phase, self.timeout_s, CALL_KEY)[0]
         except ActorFailed as failed:

@@ -97,9 +97,6 @@ class Workers:
     def _get(self, calls: list[Call], phase: str, interruptible: bool = False) -> list[Any]:
         return gather(calls, phase, self.cfg.ray.call_timeout_s, CALL_KEY, interruptible)
 
-    def _learner(self, phase: str, method: str, *args: Any) -> Any:
-        return self.learners.call(phase, method, *args)
-
     def _recovering(self, attempt: Callable[[], T]) -> T:
         """`attempt()`, retried after restarting an engine or reward worker that died or hung in it."""
         while True:
@@ -149,14 +146,14 @@ class Workers:
 
     def _resync(self, index: int) -> None:
         """A restarted engine must apply adapters of this run's layout and serve the learner's version."""
-        engine, call = self.engines[index], lambda ref: Call(ref, ENGINE, index)
-        probe, ranks = self.learners.start("probe_payload")
-        change = self._get(
-            [call(engine.probe.remote(probe, self._probe_prompts)), *ranks], "the adapter probe"
-        )[0]
-        payload, ranks = self.learners.start("adapter_payload")
-        version = self._get([call(engine.load_adapter.remote(payload)), *ranks], "sync")[0]
-        want = self._get([Call(payload, LEARNER, 0)], "sync")[0].version
+        engine = self.engines[index]
+        probe = self.learners.probe_payload_pending()
+        probe_call = Call(engine.probe.remote(probe.ref, self._probe_prompts), ENGINE, index)
+        change = self._get([probe_call, *probe.calls], "the adapter probe")[0]
+        payload = self.learners.adapter_payload_pending()
+        load_call = Call(engine.load_adapter.remote(payload.ref), ENGINE, index)
+        version, served = self._get([load_call, *payload.calls], "sync")[:2]  # rank 0's payload second
+        want = served.version
         if change < PROBE_MIN_CHANGE or version != want:
             raise RunError(
                 f"rollout engine {index} after its restart: probe change {change:.2g} (must be at least "
@@ -184,9 +181,9 @@ class Workers:
         """Every engine must change its output when given a non-zero adapter of this run's layout, else the run
         would train an adapter that rollouts never use. Returns each engine's largest log-prob change."""
         self._probe_prompts = prompts  # kept: a restarted engine is probed again
-        probe, ranks = self.learners.start("probe_payload")
-        calls = [Call(e.probe.remote(probe, prompts), ENGINE, i) for i, e in enumerate(self.engines)]
-        changes = self._get([*calls, *ranks], "the adapter probe", True)[: len(calls)]
+        probe = self.learners.probe_payload_pending()
+        calls = [Call(e.probe.remote(probe.ref, prompts), ENGINE, i) for i, e in enumerate(self.engines)]
+        changes = self._get([*calls, *probe.calls], "the adapter probe", True)[: len(calls)]
         dead = [i for i, c in enumerate(changes) if c < PROBE_MIN_CHANGE]
         if dead:
             raise RunError(
@@ -230,7 +227,7 @@ class Workers:
         if sleep:
             self._get([Call(e.sleep.remote(), ENGINE, i) for i, e in engines], "update (engine sleep)")
         t1 = time.perf_counter()
-        stats = self._learner("update", "train_step", batch)  # metrics summed over the ranks already
+        stats = self.learners.train_step(batch)  # metrics summed over the ranks already
         stats[tags.LEARNER_RANKS] = float(len(self.learners))
         t2 = time.perf_counter()
         if sleep:
@@ -243,9 +240,9 @@ class Workers:
     def sync_adapter(self) -> int:
         def attempt() -> int:
             # rank 0's payload, resolved once in the object store; every rank takes part in building it
-            payload, ranks = self.learners.start("adapter_payload")
-            calls = [Call(e.load_adapter.remote(payload), ENGINE, i) for i, e in enumerate(self.engines)]
-            versions = self._get([*calls, *ranks], "sync")[: len(calls)]
+            payload = self.learners.adapter_payload_pending()
+            calls = [Call(e.load_adapter.remote(payload.ref), ENGINE, i) for i, e in enumerate(self.engines)]
+            versions = self._get([*calls, *payload.calls], "sync")[: len(calls)]
             if len(set(versions)) != 1:
                 raise RunError(f"engines serve different adapter versions after sync: {versions}")
             return int(versions[0])
@@ -281,18 +278,17 @@ class Workers:
         """Save step `step`; `sampler_state` (default: the sampler's now) is the data position after it."""
         from visionrl.checkpoint import save_checkpoint
 
-        payload = self._learner("checkpoint", "adapter_payload", False)  # full precision
-        state = self._learner("checkpoint", "state_dict")
+        saved = self.learners.save()  # the adapter in full precision, the trainer state
         return save_checkpoint(
             run,
             step,
-            adapter_files=payload.files,
-            trainer_state=state["trainer_state"],
+            adapter_files=saved.adapter.files,
+            trainer_state=saved.trainer_state,
             sampler_state=sampler_state if sampler_state is not None else prompts.sampler.state_dict(),
             # the settings it was trained with: a resume compares them (orchestrate.resume)
             # the restarts used so far: ray.max_actor_restarts bounds the run, resumes included
             extra={
-                "adapter_version": payload.version,
+                "adapter_version": saved.adapter.version,
                 "config": self.cfg.model_dump(mode="json"),
                 ACTOR_RESTARTS_KEY: self.restarts,
             },
@@ -304,7 +300,7 @@ class Workers:
         from visionrl.checkpoint import load_checkpoint
 
         ckpt = load_checkpoint(path)
-        self._learner("resume", "load_state", str(ckpt.adapter_dir), ckpt.trainer_state)
+        self.learners.load(ckpt.adapter_dir, ckpt.trainer_state)
         prompts.sampler.load_state_dict(ckpt.sampler_state)
         # checkpoints written before the count was kept: none counted
         self.restarts = int(ckpt.extra.get(ACTOR_RESTARTS_KEY, 0))
@@ -323,7 +319,7 @@ class Workers:
         from visionrl.adapter.storage import filesystem
 
         adapter_dir = RunDir(run).adapter
-        files = self._learner("export", "adapter_payload", False).files
+        files = self.learners.adapter_payload("export", for_engine=False).files
         try:
             kept = "No manifest was written, so no reader takes this export."
             with storage_errors(adapter_dir, sum(len(data) for data in files.values()), kept=kept):

@@ -1,12 +1,14 @@
 """The learner's state as bytes: the adapter files it sends to engines and checkpoints, and the trainer state
-(optimizer, schedule, version, RNG) a checkpoint keeps; and loading them back. With FSDP every rank calls these
-together (whole tensors are gathered from the shards, and scattered back on load)."""
+(optimizer, schedule, version, RNG) a checkpoint keeps (`LearnerState`, both together); and loading them back.
+With FSDP every rank calls these together (whole tensors are gathered from the shards, and scattered back on
+load)."""
 
 from __future__ import annotations
 
 import io
 import json
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,10 +16,19 @@ import torch
 
 from visionrl.models.loader import lora_param_groups
 from visionrl.train.ranks import full_optimizer_state, full_tensor, load_sharded_state
-from visionrl.types import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from visionrl.types import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterPayload
 
 # `learner` below is a visionrl.train.learner.Learner (not imported: that module imports this one).
 Learner = Any
+
+
+@dataclass(frozen=True)
+class LearnerState:
+    """What a checkpoint keeps of the learner: the adapter in full precision (with its version) and the trainer
+    state (`trainer_state_bytes`)."""
+
+    adapter: AdapterPayload
+    trainer_state: bytes
 
 
 def adapter_config_bytes(model: Any) -> bytes:
