@@ -16,10 +16,10 @@ import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from visionrl.config_algorithm import AlgorithmConfig
+from visionrl.config_placement import PlacementPlan, plan_placement
 from visionrl.config_ray import RayConfig
 from visionrl.config_yaml import ConfigError, Section, UniqueKeyLoader, apply_overrides
 from visionrl.data.images import DEFAULT_MAX_IMAGES, DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS
-from visionrl.orchestrate.placement import PlacementPlan, plan_placement
 from visionrl.rewards.registry import RewardConfigError, RewardSpec, resolve_reward
 
 # Default LoRA targets: the language model's projections only (never the vision blocks, whose
@@ -379,7 +379,7 @@ class JobConfig(Section):
 
     @model_validator(mode="after")
     def validate_placement(self) -> JobConfig:
-        self.placement_plan()  # refuses the combinations that cannot be placed (visionrl.orchestrate.placement)
+        self.placement_plan()  # refuses the combinations that cannot be placed (visionrl.config_placement)
         return self
 
     @model_validator(mode="after")

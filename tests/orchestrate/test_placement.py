@@ -1,12 +1,12 @@
-"""The placement plan (`visionrl.orchestrate.placement`, no Ray): which bundle each learner rank and engine goes
+"""The placement plan (`visionrl.config_placement`, no Ray): which bundle each learner rank and engine goes
 to, and the combinations refused before anything starts (also through the job config)."""
 
 from __future__ import annotations
 
 import pytest
 
+from visionrl.config_placement import plan_placement
 from visionrl.config_yaml import ConfigError, apply_overrides
-from visionrl.orchestrate.placement import plan_placement
 from visionrl.train.ranks import use_fsdp
 
 GPU = {"GPU": 1.0, "CPU": 0.001}

@@ -2,7 +2,7 @@
 
 Actors: `ray.num_learners` learner ranks, `rollout.num_engines` rollout engines, `ray.num_reward_workers`
 reward workers; none takes a CPU reservation, so 2 cores can host them all. Where they go is planned by
-`orchestrate.placement` (CPU only: the local node(s); colocated: learner rank i and engine i on GPU i; split:
+`visionrl.config_placement` (CPU only: the local node(s); colocated: learner rank i and engine i on GPU i; split:
 GPUs of their own) and applied here.
 """
 
@@ -22,9 +22,9 @@ import ray
 
 from visionrl import faults
 from visionrl.config import JobConfig, RayConfig
+from visionrl.config_placement import PlacementPlan
 from visionrl.data.images import ImageBudget
 from visionrl.errors import out_of_memory
-from visionrl.orchestrate.placement import PlacementPlan
 from visionrl.orchestrate.remote import ENGINE, LEARNER, REWARD, Call, gather
 from visionrl.rewards import RewardSpec, build_reward_fn
 from visionrl.rollout.factory import make_engine

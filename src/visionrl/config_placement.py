@@ -1,5 +1,5 @@
-"""Where the learner ranks and the rollout engines run: a pure plan from the job's numbers (no Ray), which
-`orchestrate.actors` applies and the job config checks before anything starts.
+"""The placement rules of a job: where the learner ranks and the rollout engines run, a pure plan from the job's
+numbers (no Ray). The job config checks it before anything starts; `orchestrate.actors` applies it.
 
 - CPU only (no GPUs requested): nothing reserved; `spread` asks for the learner ranks to go to different nodes
   and the engines to different nodes (on one node they all land there).
