@@ -14,7 +14,18 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from visionrl.adapter.files import target_regex
-from visionrl.rollout.vllm_platform import VLLM_LORA_RANKS, vllm_max_lora_rank
+
+# The `max_lora_rank` values vLLM accepts; its LoRA slots are sized to one of them.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_max_lora_rank(rank: int) -> int:
+    """The smallest `max_lora_rank` vLLM accepts that holds `rank`."""
+    for r in VLLM_LORA_RANKS:
+        if r >= rank:
+            return r
+    raise ValueError(f"LoRA rank {rank} exceeds vLLM's largest max_lora_rank {VLLM_LORA_RANKS[-1]}")
+
 
 # Module-name patterns (peft names, e.g. `model.language_model.layers.0.self_attn.q_proj`) by what vLLM
 # does with LoRA on them, first match wins. Only the merger needs `--enable-tower-connector-lora`

@@ -20,11 +20,12 @@ import shutil
 from typing import Any
 
 from visionrl import faults
+from visionrl.adapter.servable import vllm_max_lora_rank
 from visionrl.data.images import ImageBudget
 from visionrl.rollout.probe import largest_first_token_change
 from visionrl.rollout.rejects import generate_skipping
 from visionrl.rollout.scratch import make_scratch_dir, remove_orphaned_scratch
-from visionrl.rollout.vllm_platform import cpu_only, set_cpu_env, vllm_max_lora_rank
+from visionrl.rollout.vllm_platform import cpu_only, set_cpu_env
 from visionrl.types import AdapterPayload, Completion, PromptItem, SamplingSpec
 
 logger = logging.getLogger(__name__)

@@ -1,5 +1,6 @@
-"""What vLLM accepts and needs on this platform, in one place for the engine, the server and the tests:
-the LoRA ranks it sizes slots for, whether we run without a GPU, and the environment of its CPU build.
+"""What vLLM needs on this platform, in one place for the engine, the server and the tests: whether we run
+without a GPU, and the environment of its CPU build. (The LoRA ranks vLLM sizes slots for are an adapter fact:
+`visionrl.adapter.servable`.)
 
 The CPU build reserves about 20 GiB of KV cache unless told otherwise, binds OpenMP threads to cores that a
 shared machine may not give it, and looks up a routable host address; an in-process engine starts in
@@ -10,16 +11,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, MutableMapping
-
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-
-
-def vllm_max_lora_rank(rank: int) -> int:
-    """The smallest `max_lora_rank` vLLM accepts that holds `rank`."""
-    for r in VLLM_LORA_RANKS:
-        if r >= rank:
-            return r
-    raise ValueError(f"LoRA rank {rank} exceeds vLLM's largest max_lora_rank {VLLM_LORA_RANKS[-1]}")
 
 
 def cpu_only() -> bool:

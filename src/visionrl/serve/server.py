@@ -22,9 +22,10 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from visionrl.adapter.fetch import fetch_adapter
+from visionrl.adapter.servable import vllm_max_lora_rank
 from visionrl.data.images import ImageBudget
 from visionrl.errors import InputError
-from visionrl.rollout.vllm_platform import cpu_env, cpu_only, fill_env, vllm_max_lora_rank
+from visionrl.rollout.vllm_platform import cpu_env, cpu_only, fill_env
 from visionrl.serve.adapters import ServedAdapter, list_models, served_adapter
 from visionrl.serve.process import API_KEY_ENV, ServerError, ServerHandle, api_key_from_env, free_port
 
