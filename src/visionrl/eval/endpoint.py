@@ -18,6 +18,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -25,9 +26,7 @@ from PIL import Image
 
 from visionrl.data.images import ImageBudget, fit_image, grid_factor
 from visionrl.errors import InputError, RunError
-from visionrl.eval.report import summarize, write_report
-from visionrl.eval.scoring import ablate, score_generations
-from visionrl.rewards import RewardSpec, build_reward_fn
+from visionrl.eval.report import DEFAULT_REWARDS, EvalSettings
 from visionrl.types import Generation, PromptItem
 
 FORBIDDEN_BIAS = -100  # the most negative logit bias the OpenAI API accepts
@@ -186,24 +185,21 @@ def evaluate_endpoint(
                          "lists (GET /v1/models)")  # fmt: skip
     if concurrency < 1:
         raise InputError(f"concurrency must be >= 1, got {concurrency}")
-    if not os.path.isfile(data):
-        raise InputError(f"data file '{data}' not found; pass a JSONL or Parquet file of evaluation records")
+    settings = EvalSettings(data, out, tuple(rewards or DEFAULT_REWARDS), max_tokens, seed, ablate_images)
     forbidden, factor = _base_settings(base) if base else ([], DEFAULT_GRID_FACTOR)
     budget = budget or ImageBudget()
-    reward_names = list(rewards or ["exact_match"])
-    reward_fn = build_reward_fn([RewardSpec(name) for name in reward_names])
-    samples = list(load_dataset(data, max_samples=max_samples))
-    # The server applies the chat template; the prompt text stays empty here.
-    prompts = [
-        PromptItem("", [fit_image(im, budget, factor) for im in s.images], s.answer, dict(s.record), s.id)
-        for s in samples
-    ]
-    if ablate_images:
-        prompts = ablate(prompts, seed)
-    requests = [chat_messages(prompt_messages(s), p.images) for s, p in zip(samples, prompts, strict=True)]
-    try:
-        started, t0 = time.time(), time.perf_counter()
-        generations = request_answers(
+    with settings.reward_fn() as reward_fn:
+        samples = list(load_dataset(data, max_samples=max_samples))
+        # The server applies the chat template; the prompt text stays empty here.
+        prompts = settings.prompts([
+            PromptItem("", [fit_image(im, budget, factor) for im in s.images], s.answer, dict(s.record), s.id)
+            for s in samples
+        ])  # fmt: skip
+        requests = [
+            chat_messages(prompt_messages(s), p.images) for s, p in zip(samples, prompts, strict=True)
+        ]
+        answer = partial(
+            request_answers,
             endpoint,
             model,
             requests,
@@ -214,19 +210,21 @@ def evaluate_endpoint(
             forbidden_token_ids=forbidden,
             api_key=api_key,
         )
-        records = score_generations(prompts, generations, reward_fn)
-        duration_s = time.perf_counter() - t0
-    finally:
-        reward_fn.close()
-    extra = {
-        "endpoint": endpoint, "served_model": model, "base": base, "engine": "endpoint", "rewards": reward_names,
-        "max_tokens": max_tokens, "seed": seed, "concurrency": concurrency, "timeout_s": timeout_s,
-        "images": budget.as_dict(),
-    }  # fmt: skip
-    report = summarize(records, model=f"{model} @ {endpoint}", data=data, started=started, duration_s=duration_s,
-                       ablate_images=ablate_images, extra=extra)  # fmt: skip
-    write_report(report, out)
-    return report
+        return settings.report(
+            prompts,
+            answer,
+            reward_fn,
+            model=f"{model} @ {endpoint}",
+            extra={
+                "endpoint": endpoint,
+                "served_model": model,
+                "base": base,
+                "engine": "endpoint",
+                "concurrency": concurrency,
+                "timeout_s": timeout_s,
+                "images": budget.as_dict(),
+            },
+        )
 
 
 def check_failures(report: dict[str, Any], max_failed_fraction: float, out: str) -> None:

@@ -3,8 +3,8 @@
 Evaluation is greedy decoding scored by the same rewards as training (`visionrl.eval.scoring`), written as
 the shared report (`visionrl.eval.report`):
 
-- `evaluate_prompts(engine, prompts, reward_fn, ...)`: greedy answers from any object with
-  `.generate(prompts, spec)` (the vLLM or HF rollout engine; the training loop uses it for periodic eval);
+- `generate_answers(engine, prompts, ...)`: greedy answers from any object with `.generate(prompts, spec)`
+  (the vLLM or HF rollout engine); `evaluate_prompts` scores them too (the training loop's periodic eval);
 - `evaluate_local(...)`: the whole local run (data, processor, engine from the one engine factory,
   adapter, report).
 
@@ -14,9 +14,10 @@ A served model is evaluated by `visionrl.eval.endpoint` into the same report.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
+from contextlib import closing
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -35,9 +36,9 @@ from visionrl.adapter.manifest import read_local_budget, verify_adapter
 from visionrl.config import LoraConfig, RolloutConfig
 from visionrl.data.images import ImageBudget
 from visionrl.errors import InputError
-from visionrl.eval.report import summarize, write_report
-from visionrl.eval.scoring import ablate, score_generations
-from visionrl.rewards import CombinedReward, RewardSpec, build_reward_fn
+from visionrl.eval.report import DEFAULT_REWARDS, EvalSettings
+from visionrl.eval.scoring import score_generations
+from visionrl.rewards import CombinedReward
 from visionrl.rollout.factory import ENGINES, make_engine
 from visionrl.rollout.vllm_platform import cpu_only
 from visionrl.run_layout import ADAPTER_DIR
@@ -97,6 +98,29 @@ def _generate_batch(
     return generations
 
 
+def generate_answers(
+    engine: GenerateEngine,
+    prompts: list[PromptItem],
+    *,
+    max_tokens: int,
+    batch_size: int = 64,
+    clock: Callable[[], float] = time.perf_counter,
+) -> list[Generation]:
+    """Greedy answers of every prompt from `engine`, in batches, in prompt order.
+
+    A prompt the engine cannot serve (it raises one of GENERATION_ERRORS) becomes a failed Generation with
+    the error message; the others are still answered. `latency_ms` of a sample is its batch's wall time
+    (measured with `clock`, in seconds) divided by the batch size.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    spec = SamplingSpec(n=1, greedy=True, max_tokens=max_tokens)
+    generations: list[Generation] = []
+    for start in range(0, len(prompts), batch_size):
+        generations.extend(_generate_batch(engine, prompts[start : start + batch_size], spec, clock))
+    return generations
+
+
 def evaluate_prompts(
     engine: GenerateEngine,
     prompts: list[PromptItem],
@@ -106,19 +130,10 @@ def evaluate_prompts(
     batch_size: int = 64,
     clock: Callable[[], float] = time.perf_counter,
 ) -> list[dict[str, Any]]:
-    """Greedy-decode every prompt with `engine` in batches and score the answers (see `score_generations`).
-
-    A prompt the engine cannot serve (it raises one of GENERATION_ERRORS) becomes a failed record with the
-    error message; the others are still evaluated. `latency_ms` of a sample is its batch's wall time
-    (measured with `clock`, in seconds) divided by the batch size.
-    """
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    spec = SamplingSpec(n=1, greedy=True, max_tokens=max_tokens)
-    generations: list[Generation] = []
-    for start in range(0, len(prompts), batch_size):
-        generations.extend(_generate_batch(engine, prompts[start : start + batch_size], spec, clock))
-    return score_generations(prompts, generations, reward_fn)
+    """Greedy-decode every prompt with `engine` (see `generate_answers`) and score the answers (see
+    `score_generations`): a prompt the engine cannot serve is a failed record."""
+    answers = generate_answers(engine, prompts, max_tokens=max_tokens, batch_size=batch_size, clock=clock)
+    return score_generations(prompts, answers, reward_fn)
 
 
 def _resolve_adapter(adapter: str | Path) -> Path:
@@ -214,44 +229,29 @@ def evaluate_local(
 
     if engine not in ENGINES:
         raise InputError(f"unknown engine {engine!r}; use one of {', '.join(ENGINES)}")
-    if not os.path.isfile(data):
-        raise InputError(f"data file '{data}' not found; pass a JSONL or Parquet file of evaluation records")
+    settings = EvalSettings(data, out, tuple(rewards or DEFAULT_REWARDS), max_tokens, seed, ablate_images)
     check_model_dir(base)
     adapter_dir = _resolve_adapter(adapter) if adapter else None
     adapter_cfg = _read_adapter_config(adapter_dir) if adapter_dir else None
-    reward_names = list(rewards or ["exact_match"])
-    reward_fn = build_reward_fn([RewardSpec(name) for name in reward_names])
-
-    budget = budget or (read_local_budget(adapter_dir) if adapter_dir else None) or ImageBudget()
-    processor = load_processor(base, budget)
-    prompts = [build_prompt(sample, processor) for sample in load_dataset(data, max_samples=max_samples)]
-    if ablate_images:
-        prompts = ablate(prompts, seed)
-    forbidden = vision_token_ids(AutoConfig.from_pretrained(base), processor)
-    runner = _build_engine(engine, base, adapter_cfg, forbidden, budget, seed)
-    try:
-        if adapter_dir is not None:
-            files = {name: (adapter_dir / name).read_bytes() for name in ADAPTER_FILES}
-            runner.load_adapter(AdapterPayload(version=1, files=files))
-        started, t0 = time.time(), time.perf_counter()
-        records = evaluate_prompts(runner, prompts, reward_fn, max_tokens=max_tokens)
-        duration_s = time.perf_counter() - t0
-    finally:
-        runner.close()
-        reward_fn.close()
-    model = base if adapter_dir is None else f"{base} + {adapter_dir}"
-    extra = {
-        "base": base, "adapter": None if adapter_dir is None else str(adapter_dir), "engine": engine,
-        "rewards": reward_names, "max_tokens": max_tokens, "seed": seed, "images": budget.as_dict(),
-    }  # fmt: skip
-    report = summarize(
-        records,
-        model=model,
-        data=data,
-        started=started,
-        duration_s=duration_s,
-        ablate_images=ablate_images,
-        extra=extra,
-    )
-    write_report(report, out)
-    return report
+    with settings.reward_fn() as reward_fn:
+        budget = budget or (read_local_budget(adapter_dir) if adapter_dir else None) or ImageBudget()
+        processor = load_processor(base, budget)
+        samples = load_dataset(data, max_samples=max_samples)
+        prompts = settings.prompts([build_prompt(sample, processor) for sample in samples])
+        forbidden = vision_token_ids(AutoConfig.from_pretrained(base), processor)
+        with closing(_build_engine(engine, base, adapter_cfg, forbidden, budget, seed)) as runner:
+            if adapter_dir is not None:
+                files = {name: (adapter_dir / name).read_bytes() for name in ADAPTER_FILES}
+                runner.load_adapter(AdapterPayload(version=1, files=files))
+            return settings.report(
+                prompts,
+                partial(generate_answers, runner, prompts, max_tokens=max_tokens),
+                reward_fn,
+                model=base if adapter_dir is None else f"{base} + {adapter_dir}",
+                extra={
+                    "base": base,
+                    "adapter": None if adapter_dir is None else str(adapter_dir),
+                    "engine": engine,
+                    "images": budget.as_dict(),
+                },
+            )

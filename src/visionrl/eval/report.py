@@ -2,20 +2,27 @@
 
 Shared by every way of producing answers (local engines, a served endpoint, the training loop's periodic
 eval), so their reports have one format. Both files are written atomically: a reader never sees half a
-report, even if we are killed.
+report, even if we are killed. `EvalSettings` holds what both evaluators (`visionrl.eval.local`,
+`visionrl.eval.endpoint`) are asked and record; its `report` times the answers, scores them and writes.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from visionrl.errors import InputError, storage_errors
+from visionrl.eval.scoring import ablate, score_generations
 from visionrl.files import atomic_write
+from visionrl.rewards import CombinedReward, RewardSpec, build_reward_fn
+from visionrl.types import Generation, PromptItem
 
 MARKDOWN_SAMPLES = 10  # samples shown in the Markdown twin (all of them are in the JSON)
 
@@ -127,3 +134,65 @@ def write_report(report: dict[str, Any], out: str | Path) -> None:
     ):
         with storage_errors(target, len(text.encode()), kept=f"{target} was left as it was."):
             atomic_write(target, text)
+
+
+DEFAULT_REWARDS = ("exact_match",)
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """What every evaluator is asked and records in its report: the records to read (`data`), the report to
+    write (`out`), the rewards that score (each of weight 1), the answer length, and whether images are
+    permuted across samples (`ablate_images`, by `seed`).
+
+    Raises InputError when it is made for a data file that does not exist: before any model is loaded.
+    """
+
+    data: str
+    out: str
+    rewards: tuple[str, ...] = DEFAULT_REWARDS
+    max_tokens: int = 32
+    seed: int = 0
+    ablate_images: bool = False
+
+    def __post_init__(self) -> None:
+        if not os.path.isfile(self.data):
+            raise InputError(
+                f"data file '{self.data}' not found; pass a JSONL or Parquet file of evaluation records"
+            )
+
+    def reward_fn(self) -> CombinedReward:
+        """The scoring rewards; raises InputError (RewardConfigError) for an unknown name. Close it after."""
+        return build_reward_fn([RewardSpec(name) for name in self.rewards])
+
+    def prompts(self, prompts: list[PromptItem]) -> list[PromptItem]:
+        """`prompts`, with the images permuted across samples when `ablate_images` is set."""
+        return ablate(prompts, self.seed) if self.ablate_images else prompts
+
+    def report(
+        self,
+        prompts: list[PromptItem],
+        answer: Callable[[], Sequence[Generation]],
+        reward_fn: CombinedReward,
+        *,
+        model: str,
+        extra: dict[str, Any],
+    ) -> dict[str, Any]:
+        """Call `answer` (one Generation per prompt, in order), score the answers against `prompts`, write
+        the report at `out` and return it. Its `duration_s` (and so `tokens_per_s`) is the wall time of
+        answering and scoring; `extra` adds the evaluator's own fields next to rewards, max_tokens and seed."""
+        started, t0 = time.time(), time.perf_counter()
+        records = score_generations(prompts, answer(), reward_fn)
+        duration_s = time.perf_counter() - t0
+        fields = {**extra, "rewards": list(self.rewards), "max_tokens": self.max_tokens, "seed": self.seed}
+        report = summarize(
+            records,
+            model=model,
+            data=self.data,
+            started=started,
+            duration_s=duration_s,
+            ablate_images=self.ablate_images,
+            extra=fields,
+        )
+        write_report(report, self.out)
+        return report
