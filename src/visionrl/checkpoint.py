@@ -30,10 +30,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from visionrl.adapter.files import ExportError
-from visionrl.adapter.finite import describe, nonfinite_in_file, nonfinite_tensors
-from visionrl.errors import InputError, NonFiniteError, storage_error
+from visionrl.errors import ExportError, InputError, NonFiniteError, storage_error
 from visionrl.files import fsync_dir, sha256_bytes, sha256_file, write_synced
+from visionrl.finite import describe, nonfinite_in_file, nonfinite_tensors
 from visionrl.run_layout import ADAPTER_DIR, CHECKPOINTS_DIR, STEP_PREFIX, step_dir_name
 from visionrl.types import ADAPTER_WEIGHTS
 

@@ -14,6 +14,11 @@ class InputError(ValueError):
     """Bad input from the user (job file, data, adapter, arguments). The message says what, why and what to do."""
 
 
+class ExportError(InputError):
+    """An adapter cannot be exported, fetched or served, or does not verify; the message says what, why and
+    what to do."""
+
+
 class RunError(RuntimeError):
     """The run failed at run time (an actor died, an engine broke); the message says how to continue."""
 

@@ -14,12 +14,12 @@ import pytest
 
 from visionrl.adapter import export, manifest
 from visionrl.adapter.export import export_adapter
-from visionrl.adapter.files import MANIFEST_NAME, ExportError, read_safetensors_header
+from visionrl.adapter.files import MANIFEST_NAME, read_safetensors_header
 from visionrl.adapter.manifest import chat_template_sha256, processor_settings, verify_adapter
 from visionrl.adapter.servable import adapter_module_names, check_servable
 from visionrl.checkpoint import save_checkpoint
 from visionrl.config import LM_PROJECTIONS, MERGER_PROJECTIONS, LoraConfig, config_from_dict, dump_config
-from visionrl.errors import InputError, StorageError
+from visionrl.errors import ExportError, InputError, StorageError
 from visionrl.models.loader import lora_target_regex
 
 PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")

@@ -20,10 +20,11 @@ import pytest
 
 from visionrl.adapter.export import export_adapter
 from visionrl.adapter.fetch import fetch_adapter
-from visionrl.adapter.files import MANIFEST_NAME, ExportError
+from visionrl.adapter.files import MANIFEST_NAME
 from visionrl.adapter.manifest import verify_adapter
 from visionrl.adapter.storage import filesystem
 from visionrl.cli import main
+from visionrl.errors import ExportError
 from visionrl.eval.endpoint import evaluate_endpoint
 from visionrl.eval.local import evaluate_local
 from visionrl.serve.adapters import list_models, load_adapter, unload_adapter

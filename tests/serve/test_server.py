@@ -22,8 +22,8 @@ from safetensors.torch import save_file
 
 from visionrl.adapter.export import export_adapter
 from visionrl.adapter.fetch import fetch_adapter
-from visionrl.adapter.files import MANIFEST_NAME, ExportError
-from visionrl.errors import InputError
+from visionrl.adapter.files import MANIFEST_NAME
+from visionrl.errors import ExportError, InputError
 from visionrl.serve.adapters import ServedAdapter, list_models, load_adapter, served_adapter, unload_adapter
 from visionrl.serve.process import ServerError, ServerHandle, free_port, root_url
 from visionrl.serve.server import run_server, server_command, server_env

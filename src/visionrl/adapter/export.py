@@ -18,17 +18,16 @@ from visionrl.adapter.files import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     MANIFEST_NAME,
-    ExportError,
     has_adapter_files,
     read_adapter_config,
     read_json_object,
 )
-from visionrl.adapter.finite import describe, nonfinite_in_file
 from visionrl.adapter.manifest import build_manifest, first_bad_file, join, write_manifest
 from visionrl.adapter.storage import filesystem, is_local
 from visionrl.checkpoint import MANIFEST as CHECKPOINT_MANIFEST
 from visionrl.checkpoint import latest_checkpoint, verify_checkpoint
-from visionrl.errors import storage_error
+from visionrl.errors import ExportError, storage_error
+from visionrl.finite import describe, nonfinite_in_file
 from visionrl.run_layout import ADAPTER_DIR, CHECKPOINTS_DIR, RUN_CONFIG, RunDir
 
 

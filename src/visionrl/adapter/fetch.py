@@ -15,9 +15,10 @@ from typing import Any
 
 import fsspec
 
-from visionrl.adapter.files import MANIFEST_NAME, ExportError
+from visionrl.adapter.files import MANIFEST_NAME
 from visionrl.adapter.manifest import join, read_manifest
 from visionrl.adapter.storage import filesystem, is_local
+from visionrl.errors import ExportError
 from visionrl.files import sha256_file, sha256_stream
 
 logger = logging.getLogger(__name__)

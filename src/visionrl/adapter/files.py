@@ -15,23 +15,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from visionrl.errors import InputError
+from visionrl.errors import ExportError, InputError
 from visionrl.files import atomic_write
 from visionrl.types import ADAPTER_CONFIG, ADAPTER_FILES, ADAPTER_WEIGHTS
 
 __all__ = [
-    "ADAPTER_CONFIG", "ADAPTER_FILES", "ADAPTER_WEIGHTS", "MANIFEST_NAME", "ExportError", "check_weights_open",
+    "ADAPTER_CONFIG", "ADAPTER_FILES", "ADAPTER_WEIGHTS", "MANIFEST_NAME", "check_weights_open",
     "has_adapter_files", "read_adapter_config", "read_json_object", "read_safetensors_header",
     "require_plain_lora", "target_regex", "targets_vision", "write_adapter_files",
 ]  # fmt: skip
 
 MANIFEST_NAME = "visionrl_manifest.json"
 _MAX_SAFETENSORS_HEADER = 100 << 20  # real headers are KBs; a larger length means a damaged file
-
-
-class ExportError(InputError):
-    """An adapter cannot be exported, fetched or served, or does not verify; the message says what, why and
-    what to do."""
 
 
 def has_adapter_files(path: str | os.PathLike[str]) -> bool:

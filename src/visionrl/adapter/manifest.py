@@ -22,7 +22,6 @@ from visionrl.adapter.files import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     MANIFEST_NAME,
-    ExportError,
     read_adapter_config,
     read_json_object,
     read_safetensors_header,
@@ -30,7 +29,7 @@ from visionrl.adapter.files import (
 from visionrl.adapter.servable import check_servable
 from visionrl.adapter.storage import filesystem, is_local
 from visionrl.data.images import ImageBudget
-from visionrl.errors import storage_errors
+from visionrl.errors import ExportError, storage_errors
 from visionrl.files import atomic_write, sha256_bytes, sha256_stream
 
 FORMAT_VERSION = 1

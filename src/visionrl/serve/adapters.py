@@ -16,7 +16,6 @@ from visionrl.adapter.fetch import fetch_adapter
 from visionrl.adapter.files import (
     ADAPTER_WEIGHTS,
     MANIFEST_NAME,
-    ExportError,
     read_adapter_config,
     read_json_object,
     read_safetensors_header,
@@ -24,7 +23,7 @@ from visionrl.adapter.files import (
 from visionrl.adapter.manifest import read_local_budget
 from visionrl.adapter.servable import check_servable
 from visionrl.data.images import ImageBudget
-from visionrl.errors import InputError
+from visionrl.errors import ExportError, InputError
 from visionrl.serve.process import api_key_from_env, http_json, root_url
 
 

@@ -1,5 +1,6 @@
-"""Are an adapter's weights finite? One NaN or infinity in a LoRA matrix makes every answer of the served
-model garbage, so checkpoints, the run's final adapter and `visionrl export` refuse such weights.
+"""Are the floating-point tensors of a safetensors file finite? One NaN or infinity in a LoRA matrix makes
+every answer of the served model garbage, so checkpoints, the run's final adapter and `visionrl export` refuse
+such weights. Shared by the checkpoint and adapter modules, below both.
 
 Read straight from the safetensors bytes (header + raw little-endian tensors) with numpy: no torch, and a
 memory map for files, so checking a few hundred MB costs one pass over them.
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from visionrl.adapter.files import ExportError
+from visionrl.errors import ExportError
 
 _FLOATS = {"F64": np.float64, "F32": np.float32, "F16": np.float16}
 _BF16_EXPONENT = 0x7F80  # bfloat16: all exponent bits set means infinity or NaN
