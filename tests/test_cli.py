@@ -7,11 +7,12 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
-from visionrl.cli import EXIT_BAD_INPUT, build_parser, main
+from visionrl.cli import COMMANDS, EXIT_BAD_INPUT, build_parser, main
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "configs" / "demo.yaml"
@@ -59,11 +60,104 @@ def test_console_script_help() -> None:
     assert result.stdout.startswith("usage: visionrl")
 
 
-def test_subcommand_help_exits_zero(capsys: pytest.CaptureFixture[str]) -> None:
+# Every subcommand, in the order `visionrl --help` lists them, and the arguments its --help must show.
+SUBCOMMAND_OPTIONS = {
+    "train": ["config", "overrides", "--resume"],
+    "validate": ["config", "--schema", "--check-data"],
+    "eval": ["--data", "--out", "--base", "--adapter", "--engine", "--endpoint", "--model", "--concurrency",
+             "--timeout", "--max-failed-fraction", "--api-key", "--ablate-images", "--max-samples",
+             "--max-tokens", "--reward", "--seed", "--min-pixels", "--max-pixels", "--max-images-per-prompt"],
+    "export": ["src", "dest", "--allow-unservable", "--overwrite"],
+    "fetch": ["src", "--cache-dir"],
+    "serve": ["--base", "--adapter", "--host", "--port", "--api-key", "--allow-insecure", "--vllm-arg"],
+    "init-tiny-model": ["dir", "--arch", "--seed", "--no-pretrain", "--recipe"],
+    "make-data": ["dir", "--task", "--num-train", "--num-eval", "--seed", "--image-size", "--question-type"],
+}  # fmt: skip
+
+
+def test_the_command_table_lists_every_subcommand_in_help_order() -> None:
+    assert [name for name, *_ in COMMANDS] == list(SUBCOMMAND_OPTIONS)
+
+
+@pytest.mark.parametrize("command", list(SUBCOMMAND_OPTIONS))
+def test_subcommand_help_exits_zero_and_shows_its_options(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as info:
-        build_parser().parse_args(["make-data", "--help"])
+        build_parser().parse_args([command, "--help"])
     assert info.value.code == 0
-    assert "--num-train" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: visionrl {command}")
+    help_line = next(help_ for name, _, help_, _ in COMMANDS if name == command)
+    assert help_line in " ".join(out.split())  # the description, however argparse wraps it
+    for option in SUBCOMMAND_OPTIONS[command]:
+        assert option in out, option
+
+
+def test_every_subcommand_runs_its_own_handler() -> None:
+    parser = build_parser()
+    minimal = {"train": ["job.yaml"], "export": ["a", "b"], "fetch": ["a"], "serve": ["--base", "m"],
+               "init-tiny-model": ["d"], "make-data": ["d", "--task", "color"],
+               "eval": ["--data", "d", "--out", "o"], "validate": []}  # fmt: skip
+    for name, handler, _, _ in COMMANDS:
+        assert parser.parse_args([name, *minimal[name]]).func is handler, name
+
+
+@pytest.fixture
+def eval_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, dict[str, Any]]:
+    """Replaces both evaluators with recorders that return a report of one correct sample."""
+    import visionrl.eval.endpoint
+    import visionrl.eval.local
+
+    calls: dict[str, dict[str, Any]] = {}
+
+    def recorder(name: str) -> Any:
+        def record(**kwargs: Any) -> dict[str, Any]:
+            calls[name] = kwargs
+            return {"accuracy": 1.0, "num_samples": 1, "num_failed": 0, "samples": []}
+
+        return record
+
+    monkeypatch.setattr(visionrl.eval.local, "evaluate_local", recorder("local"))
+    monkeypatch.setattr(visionrl.eval.endpoint, "evaluate_endpoint", recorder("endpoint"))
+    return calls
+
+
+EVAL_SHARED = ["--data", "d.jsonl", "--out", "r.json", "--ablate-images", "--max-samples", "5", "--max-tokens",
+               "3", "--reward", "numeric", "--seed", "4", "--max-pixels", "65536"]  # fmt: skip
+
+
+EVAL_SHARED_SETTINGS = {"data": "d.jsonl", "out": "r.json", "ablate_images": True, "max_samples": 5, "max_tokens": 3,
+                        "rewards": ["numeric"], "seed": 4, "max_pixels": 65536}  # fmt: skip
+
+
+def _shared_settings(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The options both evaluators take, as an evaluator was called with them."""
+    shared = {k: kwargs[k] for k in EVAL_SHARED_SETTINGS if k != "max_pixels"}
+    return {**shared, "max_pixels": kwargs["budget"].max_pixels}
+
+
+def test_eval_passes_its_options_to_local_evaluation(
+    eval_calls: dict[str, dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["eval", "--base", "m", "--adapter", "a", "--engine", "hf", *EVAL_SHARED]) == 0
+    kwargs = eval_calls["local"]
+    assert (kwargs["base"], kwargs["adapter"], kwargs["engine"]) == ("m", "a", "hf")
+    assert _shared_settings(kwargs) == EVAL_SHARED_SETTINGS
+    assert "endpoint" not in eval_calls
+    assert capsys.readouterr().out == "accuracy 1.000 on 1 samples (0 failed) -> r.json\n"
+
+
+def test_eval_passes_its_options_to_served_evaluation(eval_calls: dict[str, dict[str, Any]]) -> None:
+    argv = ["eval", "--endpoint", "http://h/v1", "--model", "a1", "--concurrency", "2", "--timeout", "9",
+            "--api-key", "k", "--base", "m", *EVAL_SHARED]  # fmt: skip
+    assert main(argv) == 0
+    kwargs = eval_calls["endpoint"]
+    assert {k: kwargs[k] for k in ("endpoint", "model", "concurrency", "timeout_s", "base", "api_key")} == {
+        "endpoint": "http://h/v1", "model": "a1", "concurrency": 2, "timeout_s": 9.0, "base": "m", "api_key": "k"
+    }  # fmt: skip
+    assert _shared_settings(kwargs) == EVAL_SHARED_SETTINGS
+    assert "local" not in eval_calls
 
 
 def test_init_tiny_model_arch_choices_are_the_factory_architectures() -> None:

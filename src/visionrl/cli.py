@@ -102,25 +102,27 @@ def _eval_budget(args: argparse.Namespace) -> ImageBudget | None:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    budget = _eval_budget(args)
+    common: dict[str, Any] = {
+        "data": args.data,
+        "out": args.out,
+        "ablate_images": args.ablate_images,
+        "max_samples": args.max_samples,
+        "max_tokens": args.max_tokens,
+        "rewards": args.reward,
+        "seed": args.seed,
+        "budget": _eval_budget(args),
+    }
     if args.endpoint:
         from visionrl.eval.endpoint import check_failures, evaluate_endpoint
 
         report = evaluate_endpoint(
             endpoint=args.endpoint,
             model=args.model,
-            data=args.data,
-            out=args.out,
             concurrency=args.concurrency,
-            ablate_images=args.ablate_images,
-            max_samples=args.max_samples,
-            max_tokens=args.max_tokens,
-            rewards=args.reward,
             timeout_s=args.timeout,
-            seed=args.seed,
             base=args.base,
-            budget=budget,
             api_key=args.api_key,
+            **common,
         )
         _print_report(report, args.out)
         check_failures(report, args.max_failed_fraction, args.out)
@@ -129,19 +131,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         raise _usage("eval needs --base MODEL (local evaluation) or --endpoint URL (a served model)")
     from visionrl.eval.local import evaluate_local
 
-    report = evaluate_local(
-        base=args.base,
-        adapter=args.adapter,
-        data=args.data,
-        out=args.out,
-        engine=args.engine,
-        ablate_images=args.ablate_images,
-        max_samples=args.max_samples,
-        max_tokens=args.max_tokens,
-        rewards=args.reward,
-        seed=args.seed,
-        budget=budget,
-    )
+    report = evaluate_local(base=args.base, adapter=args.adapter, engine=args.engine, **common)
     _print_report(report, args.out)
     return 0
 
@@ -198,13 +188,95 @@ def _usage(msg: str) -> _UsageError:
     return _UsageError(msg)
 
 
-def _add_serving_commands(
-    add: Callable[[str, Callable[[argparse.Namespace], int], str], argparse.ArgumentParser],
-) -> None:
-    """export, fetch and serve: from a trained adapter to a served endpoint."""
-    sp = add(
-        "export", _cmd_export, "Export a trained adapter with its manifest to a folder or s3://bucket/prefix."
+def _train_args(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("config", help="job file (YAML), e.g. configs/demo.yaml")
+    sp.add_argument(
+        "overrides", nargs="*", help="key=value overrides, e.g. train.steps=10 rollout.temperature=0.8"
     )
+    sp.add_argument(
+        "--resume",
+        nargs="?",
+        const=True,
+        default=None,
+        type=_resume_mode,
+        metavar="auto",
+        help="continue from the newest complete checkpoint in output_dir; `--resume auto` starts fresh when there "
+        "is none (for jobs a scheduler re-runs). Default: the job file's `resume`",
+    )
+
+
+def _validate_args(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("config", nargs="?", help="job file (YAML)")
+    sp.add_argument("overrides", nargs="*", help="key=value overrides")
+    sp.add_argument("--schema", action="store_true", help="print the JSON schema of job files")
+    sp.add_argument(
+        "--check-data",
+        action="store_true",
+        help="also load data.train and data.eval (every record and image checked, as training does)",
+    )
+
+
+def _eval_args(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--data", required=True, help="evaluation data (JSONL or Parquet)")
+    sp.add_argument(
+        "--out", required=True, help="where to write the JSON report (a Markdown twin is written too)"
+    )
+    sp.add_argument(
+        "--base",
+        help="local evaluation: base model directory (with --endpoint: optional, "
+        "forbids its vision tokens as local evaluation does)",
+    )
+    sp.add_argument("--adapter", help="local evaluation: adapter directory (omit for the base model)")
+    sp.add_argument("--engine", choices=["vllm", "hf"], default="vllm", help="local evaluation engine")
+    _served_eval_args(sp)
+    sp.add_argument(
+        "--ablate-images", action="store_true", help="permute images across samples (does it look?)"
+    )
+    sp.add_argument("--max-samples", type=int, default=None, help="evaluate at most this many records")
+    sp.add_argument("--max-tokens", type=int, default=32, help="maximum new tokens per answer")
+    sp.add_argument(
+        "--reward",
+        action="append",
+        default=None,
+        help="scoring reward (default exact_match; repeatable, e.g. numeric)",
+    )
+    sp.add_argument("--seed", type=int, default=0, help="seed (image permutation)")
+    sp.add_argument(
+        "--min-pixels",
+        type=int,
+        help="image budget (data.min_pixels); default: the adapter's manifest (local), else 1024",
+    )
+    sp.add_argument(
+        "--max-pixels",
+        type=int,
+        help="image budget (data.max_pixels); default: the adapter's manifest (local), else 1048576; "
+        "with --endpoint: the budget the server was started with",
+    )
+    sp.add_argument(
+        "--max-images-per-prompt", type=int, help="image budget (data.max_images_per_prompt), default 4"
+    )
+
+
+def _served_eval_args(sp: argparse.ArgumentParser) -> None:
+    """The options of `eval --endpoint` alone."""
+    sp.add_argument(
+        "--endpoint", help="served evaluation: OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1"
+    )
+    sp.add_argument("--model", help="served evaluation: model or adapter name at the endpoint")
+    sp.add_argument("--concurrency", type=int, default=8, help="parallel requests (served evaluation)")
+    sp.add_argument("--timeout", type=float, default=60.0, help="seconds per request (served evaluation)")
+    sp.add_argument(
+        "--max-failed-fraction",
+        type=float,
+        default=0.1,
+        help="served evaluation: exit 1 (report still written) when more requests than this share failed",
+    )
+    sp.add_argument(
+        "--api-key", default=None, help="served evaluation: the server's API key (default: $VLLM_API_KEY)"
+    )
+
+
+def _export_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("src", help="run directory or checkpoint directory")
     sp.add_argument("dest", help="destination folder or s3://bucket/prefix")
     sp.add_argument(
@@ -218,15 +290,13 @@ def _add_serving_commands(
         help="write into a destination that holds other files (they are left as they are)",
     )
 
-    sp = add(
-        "fetch", _cmd_fetch, "Download an exported adapter, verify it against its manifest, print its path."
-    )
+
+def _fetch_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("src", help="exported adapter: folder or s3://bucket/prefix")
     sp.add_argument("--cache-dir", default=None, help="local cache (default ~/.cache/visionrl/adapters)")
 
-    sp = add(
-        "serve", _cmd_serve, "Serve a base model with LoRA adapters through vLLM's OpenAI-compatible server."
-    )
+
+def _serve_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--base", required=True, help="base model directory")
     sp.add_argument(
         "--adapter",
@@ -258,109 +328,7 @@ def _add_serving_commands(
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="visionrl",
-        description="RL post-training (GRPO) of vision-language models with LoRA, vLLM rollouts and Ray.",
-    )
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    def add(name: str, fn: Callable[[argparse.Namespace], int], help_: str) -> argparse.ArgumentParser:
-        sp = sub.add_parser(name, help=help_, description=help_)
-        sp.set_defaults(func=fn)
-        return sp
-
-    sp = add("train", _cmd_train, "Train a LoRA adapter by GRPO from a YAML job file.")
-    sp.add_argument("config", help="job file (YAML), e.g. configs/demo.yaml")
-    sp.add_argument(
-        "overrides", nargs="*", help="key=value overrides, e.g. train.steps=10 rollout.temperature=0.8"
-    )
-    sp.add_argument(
-        "--resume",
-        nargs="?",
-        const=True,
-        default=None,
-        type=_resume_mode,
-        metavar="auto",
-        help="continue from the newest complete checkpoint in output_dir; `--resume auto` starts fresh when there "
-        "is none (for jobs a scheduler re-runs). Default: the job file's `resume`",
-    )
-
-    sp = add("validate", _cmd_validate, "Check a job file and print the resolved config.")
-    sp.add_argument("config", nargs="?", help="job file (YAML)")
-    sp.add_argument("overrides", nargs="*", help="key=value overrides")
-    sp.add_argument("--schema", action="store_true", help="print the JSON schema of job files")
-    sp.add_argument(
-        "--check-data",
-        action="store_true",
-        help="also load data.train and data.eval (every record and image checked, as training does)",
-    )
-
-    sp = add(
-        "eval",
-        _cmd_eval,
-        "Measure accuracy (and latency) of a base model + adapter, locally or at an endpoint.",
-    )
-    sp.add_argument("--data", required=True, help="evaluation data (JSONL or Parquet)")
-    sp.add_argument(
-        "--out", required=True, help="where to write the JSON report (a Markdown twin is written too)"
-    )
-    sp.add_argument(
-        "--base",
-        help="local evaluation: base model directory (with --endpoint: optional, "
-        "forbids its vision tokens as local evaluation does)",
-    )
-    sp.add_argument("--adapter", help="local evaluation: adapter directory (omit for the base model)")
-    sp.add_argument("--engine", choices=["vllm", "hf"], default="vllm", help="local evaluation engine")
-    sp.add_argument(
-        "--endpoint", help="served evaluation: OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1"
-    )
-    sp.add_argument("--model", help="served evaluation: model or adapter name at the endpoint")
-    sp.add_argument("--concurrency", type=int, default=8, help="parallel requests (served evaluation)")
-    sp.add_argument("--timeout", type=float, default=60.0, help="seconds per request (served evaluation)")
-    sp.add_argument(
-        "--max-failed-fraction",
-        type=float,
-        default=0.1,
-        help="served evaluation: exit 1 (report still written) when more requests than this share failed",
-    )
-    sp.add_argument(
-        "--api-key", default=None, help="served evaluation: the server's API key (default: $VLLM_API_KEY)"
-    )
-    sp.add_argument(
-        "--ablate-images", action="store_true", help="permute images across samples (does it look?)"
-    )
-    sp.add_argument("--max-samples", type=int, default=None, help="evaluate at most this many records")
-    sp.add_argument("--max-tokens", type=int, default=32, help="maximum new tokens per answer")
-    sp.add_argument(
-        "--reward",
-        action="append",
-        default=None,
-        help="scoring reward (default exact_match; repeatable, e.g. numeric)",
-    )
-    sp.add_argument("--seed", type=int, default=0, help="seed (image permutation)")
-    sp.add_argument(
-        "--min-pixels",
-        type=int,
-        help="image budget (data.min_pixels); default: the adapter's manifest (local), else 1024",
-    )
-    sp.add_argument(
-        "--max-pixels",
-        type=int,
-        help="image budget (data.max_pixels); default: the adapter's manifest (local), else 1048576; "
-        "with --endpoint: the budget the server was started with",
-    )
-    sp.add_argument(
-        "--max-images-per-prompt", type=int, help="image budget (data.max_images_per_prompt), default 4"
-    )
-
-    _add_serving_commands(add)
-
-    sp = add(
-        "init-tiny-model",
-        _cmd_init_tiny_model,
-        "Write a tiny Qwen3-VL (or Qwen2.5-VL) checkpoint (for tests and the demo).",
-    )
+def _init_tiny_model_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("dir")
     # The names are the models' `model_type` (models.tiny.ARCHS), listed here so that --help stays instant.
     sp.add_argument(
@@ -379,7 +347,8 @@ def build_parser() -> argparse.ArgumentParser:
         "(easy-vqa also adds the data set's words to the tokenizer)",
     )
 
-    sp = add("make-data", _cmd_make_data, "Write a visual task as JSONL + PNG images.")
+
+def _make_data_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("dir")
     sp.add_argument(
         "--task",
@@ -401,6 +370,58 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="easy-vqa: only the questions of this type (default: all)",
     )
+
+
+Handler = Callable[[argparse.Namespace], int]
+
+#: The subcommands in the order `visionrl --help` lists them: name, handler, help line, its arguments.
+COMMANDS: tuple[tuple[str, Handler, str, Callable[[argparse.ArgumentParser], None]], ...] = (
+    ("train", _cmd_train, "Train a LoRA adapter by GRPO from a YAML job file.", _train_args),
+    ("validate", _cmd_validate, "Check a job file and print the resolved config.", _validate_args),
+    (
+        "eval",
+        _cmd_eval,
+        "Measure accuracy (and latency) of a base model + adapter, locally or at an endpoint.",
+        _eval_args,
+    ),
+    (
+        "export",
+        _cmd_export,
+        "Export a trained adapter with its manifest to a folder or s3://bucket/prefix.",
+        _export_args,
+    ),
+    (
+        "fetch",
+        _cmd_fetch,
+        "Download an exported adapter, verify it against its manifest, print its path.",
+        _fetch_args,
+    ),
+    (
+        "serve",
+        _cmd_serve,
+        "Serve a base model with LoRA adapters through vLLM's OpenAI-compatible server.",
+        _serve_args,
+    ),
+    (
+        "init-tiny-model",
+        _cmd_init_tiny_model,
+        "Write a tiny Qwen3-VL (or Qwen2.5-VL) checkpoint (for tests and the demo).",
+        _init_tiny_model_args,
+    ),
+    ("make-data", _cmd_make_data, "Write a visual task as JSONL + PNG images.", _make_data_args),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="visionrl",
+        description="RL post-training (GRPO) of vision-language models with LoRA, vLLM rollouts and Ray.",
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, handler, help_, add_arguments in COMMANDS:
+        sp = sub.add_parser(name, help=help_, description=help_)
+        sp.set_defaults(func=handler)
+        add_arguments(sp)
     return p
 
 
