@@ -81,7 +81,7 @@ def make_batch(learner, args: argparse.Namespace, spread: bool):
     """P prompts with one image each, G random completions per prompt: all of length T, or spread over [T/8, T]."""
     from PIL import Image
 
-    from visionrl.train.batching import Sequence
+    from visionrl.models.sequences import Sequence
     from visionrl.train.learner import TrainBatch
     from visionrl.types import PromptItem
 
@@ -346,7 +346,7 @@ def save_section(args: argparse.Namespace, key: str, section: dict[str, Any]) ->
 def layout_rows(args: argparse.Namespace) -> None:
     rows = lever_rows(args, VARIANTS[5:7])
     what = (
-        "rows [prompt | completion | pad], no attention mask (train.batching); "
+        "rows [prompt | completion | pad], no attention mask (models.sequences); "
         "no-grad passes at max(16384, micro_batch_tokens) tokens"
     )
     save_section(args, "layout", {"what": what, "rows": rows})

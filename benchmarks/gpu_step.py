@@ -93,7 +93,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--micro-tokens", type=int, default=4096)
     args = p.parse_args()
-    from visionrl.train.batching import Sequence
+    from visionrl.models.sequences import Sequence
     from visionrl.train.learner import Learner, TrainBatch
     from visionrl.types import SamplingSpec
 

@@ -21,7 +21,7 @@ from torch.distributed.tensor import distribute_tensor
 from visionrl.config import config_from_dict
 from visionrl.data import load_dataset
 from visionrl.data.prompts import build_prompt
-from visionrl.train.batching import Sequence
+from visionrl.models.sequences import Sequence
 from visionrl.train.learner import Learner, TrainBatch
 from visionrl.train.ranks import full_tensor, join
 

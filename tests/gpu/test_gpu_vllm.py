@@ -85,8 +85,8 @@ def test_learner_and_engine_agree_after_syncing_a_nonzero_adapter(model_8b: Path
     adapter matters: the base model's log-probs of those tokens are far off."""
     from visionrl.data import load_dataset
     from visionrl.data.prompts import build_prompt
+    from visionrl.models.sequences import Sequence
     from visionrl.rollout.vllm_engine import VLLMEngine
-    from visionrl.train.batching import Sequence
     from visionrl.train.learner import Learner, TrainBatch
     from visionrl.types import SamplingSpec
 
@@ -155,8 +155,8 @@ def test_out_of_memory_names_the_learner_phase_and_the_fix(model_8b: Path, count
     from visionrl.data import load_dataset
     from visionrl.data.prompts import build_prompt
     from visionrl.errors import OutOfMemory
+    from visionrl.models.sequences import Sequence
     from visionrl.orchestrate.actors import _memory_guard
-    from visionrl.train.batching import Sequence
     from visionrl.train.learner import Learner, TrainBatch
 
     raw = _job(model_8b, count_data, Path("unused"))

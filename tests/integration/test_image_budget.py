@@ -87,9 +87,9 @@ def test_learner_and_vllm_count_the_same_image_tokens_and_rejected_prompts_are_s
 ) -> None:
     from vllm import SamplingParams
 
+    from visionrl.models.sequences import Sequence
     from visionrl.orchestrate.prompt_stream import PromptStream
     from visionrl.rollout.vllm_engine import VLLMEngine
-    from visionrl.train.batching import Sequence
     from visionrl.train.learner import Learner, TrainBatch
 
     cfg = _cfg(tiny_model, photo_data, tmp_path / "run")

@@ -14,7 +14,7 @@ from visionrl.config import JobConfig, config_from_dict
 from visionrl.config_yaml import ConfigError
 from visionrl.data import load_dataset
 from visionrl.data.prompts import build_prompt
-from visionrl.train.batching import Sequence
+from visionrl.models.sequences import Sequence
 from visionrl.train.learner import Learner, TrainBatch
 
 
@@ -91,7 +91,7 @@ def test_micro_batches_give_the_gradient_of_one_batch(tiny_model: Path, color_da
 
 
 def test_logprobs_do_not_depend_on_padding_or_batch_company(tiny_model: Path, color_data: Path) -> None:
-    """Rows padded at the end and run without a mask (train.batching): a sequence's log-probs are the same alone
+    """Rows padded at the end and run without a mask (models.sequences): a sequence's log-probs are the same alone
     or batched with longer prompts and completions; M-RoPE positions of real tokens do not move."""
     learner = Learner(_cfg(tiny_model, color_data), device="cpu")
     batch = _batch(learner, color_data)

@@ -14,7 +14,7 @@ from visionrl.config import JobConfig, config_from_dict
 from visionrl.data import load_dataset
 from visionrl.data.prompts import build_prompt
 from visionrl.metrics import REQUIRED_HISTOGRAMS, REQUIRED_SCALARS, read_scalars, read_tags
-from visionrl.train.batching import Sequence
+from visionrl.models.sequences import Sequence
 from visionrl.train.learner import Learner, TrainBatch
 from visionrl.types import SamplingSpec
 

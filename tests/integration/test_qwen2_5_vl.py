@@ -147,7 +147,7 @@ def _set_lora_b(model: Any, seed: int, where: str = "") -> None:
 
 
 def _diffs(learner: Any, prompts: list, groups: list, adapter: bool = True) -> list[float]:
-    from visionrl.train.batching import Sequence
+    from visionrl.models.sequences import Sequence
     from visionrl.train.learner import TrainBatch
 
     seqs = [

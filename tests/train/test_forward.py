@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from visionrl.train.forward import completion_stats, share_plan
+from visionrl.models.sequences import share_plan
+from visionrl.train.forward import completion_stats
 
 
 def _identity_head(vocab: int) -> torch.nn.Linear:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from visionrl.train.batching import Sequence
+from visionrl.models.sequences import Sequence
 from visionrl.train.mismatch import (
     abs_diff_sums,
     rows_by_version,

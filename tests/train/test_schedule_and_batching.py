@@ -33,7 +33,7 @@ def test_lr_schedule_warmup_then_cosine() -> None:
 def test_micro_batch_rows_are_padded_to_a_multiple_of_16() -> None:
     import torch
 
-    from visionrl.train.batching import SEQ_MULTIPLE, EncodedPrompt, Sequence, collate
+    from visionrl.models.sequences import SEQ_MULTIPLE, EncodedPrompt, Sequence, collate
 
     # prompts of 5 and 3 tokens, completions of 4 and 2: rows of 9 and 5 tokens, padded at the end to 16
     prompts = [

@@ -18,7 +18,7 @@ import torch
 from PIL import Image
 
 from visionrl.data.synthetic import TASKS, balanced_answers
-from visionrl.train.batching import EncodedPrompt, Sequence, collate
+from visionrl.models.sequences import EncodedPrompt, Sequence, collate
 
 TRUE_LABEL_TASKS = ("position", "count", "sides")
 RANDOM_LABEL_TASK = "color"

@@ -24,6 +24,7 @@ from visionrl.config import JobConfig, dump_config
 from visionrl.errors import Preempted, RunError, StorageError, storage_errors
 from visionrl.files import atomic_write
 from visionrl.metrics import MetricsWriter, Progress
+from visionrl.models.sequences import Sequence
 from visionrl.orchestrate import preemption
 from visionrl.orchestrate.actors import ray_session, start_actors
 from visionrl.orchestrate.failures import resume_hint, run_error, run_log, stopped
@@ -39,7 +40,6 @@ from visionrl.rewards import RewardResult
 from visionrl.rewards.merge import merge_results
 from visionrl.rollout.scratch import remove_orphaned_scratch
 from visionrl.run_layout import RunDir
-from visionrl.train.batching import Sequence
 from visionrl.train.learner import TrainBatch
 from visionrl.types import Completion, PromptItem, SamplingSpec
 

@@ -1,67 +1,12 @@
-"""Turn prompts + completions into padded learner micro-batches under a token budget.
-
-Layout of one micro-batch row: `[prompt | completion | pad]`, all padding at the end. Under causal attention a
-real token attends only to earlier positions, which are all real, so the learner runs the model without an
-attention mask: outputs at real positions are exact, M-RoPE positions of real tokens are unchanged, and
-attention keeps its fused causal kernel (a padding mask sends SDPA to a slower path; completions of spread
-lengths made that 2.5x slower, docs/ENGINE_NOTES.md). Row b's completion starts at column `starts[b]`; the
-logit of its token t sits at `starts[b] - 1 + t`.
-The completions of one group share their prompt's images: with `share_images` each distinct prompt's pixels
-are sent once and `image_share` tells the vision tower hooks (`train.forward`) how to hand out the copies.
+"""Which sequences share a learner micro-batch under a token budget. The padded rows of one micro-batch
+(`[prompt | completion | pad]`) are `visionrl.models.sequences`' `collate`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import torch
-
-from visionrl.train.forward import ImageShare, share_plan
-
-# Micro-batch rows are padded to a multiple of this many positions (aligned shapes for the attention kernels).
-SEQ_MULTIPLE = 16
 # Default token budget of the no-gradient passes (`train.logprob_batch_tokens`): no activations are kept, so they
 # take larger micro-batches than training; measured on the H200 in benchmarks/NOTES-gpu-learner.md.
 NO_GRAD_BATCH_TOKENS = 16384
-
-
-@dataclass
-class EncodedPrompt:
-    """A prompt as the processor encodes it (image placeholders expanded)."""
-
-    input_ids: torch.Tensor  # [P] long
-    mm_token_type_ids: torch.Tensor  # [P] long: 0 text, 1 image, 2 video
-    pixel_values: torch.Tensor | None  # [num_patches, patch_dim]
-    image_grid_thw: torch.Tensor | None  # [num_images, 3]
-
-
-@dataclass
-class Sequence:
-    """One completion with everything the loss needs."""
-
-    prompt: int  # index into the list of EncodedPrompt
-    completion_ids: list[int]
-    advantage: float
-    sampling_logprobs: list[float]
-    adapter_version: int | None = None  # the version that sampled it (None: the learner's current one)
-
-
-@dataclass
-class MicroBatch:
-    input_ids: torch.Tensor  # [B, L]
-    attention_mask: torch.Tensor  # [B, L]: 1 on real tokens (all padding is at the end of a row)
-    mm_token_type_ids: torch.Tensor  # [B, L]
-    pixel_values: torch.Tensor | None
-    image_grid_thw: torch.Tensor | None
-    completion_ids: torch.Tensor  # [B, T]
-    completion_mask: torch.Tensor  # [B, T] float
-    advantages: torch.Tensor  # [B]
-    sampling_logprobs: torch.Tensor  # [B, T]
-    starts: torch.Tensor  # [B] long: the column of each row's first completion token (its prompt length)
-    rows: list[int]  # indices of the sequences in the caller's list
-    num_tokens: int  # real completion tokens (the mask's sum)
-    sequence_tokens: int  # real prompt (image tokens included) + completion tokens
-    image_share: ImageShare | None = None  # set when rows share images (pixel_values holds each once)
 
 
 def plan_micro_batches(lengths: list[tuple[int, int]], token_budget: int) -> list[list[int]]:
@@ -84,71 +29,3 @@ def plan_micro_batches(lengths: list[tuple[int, int]], token_budget: int) -> lis
     if current:
         groups.append(current)
     return groups
-
-
-def collate(
-    prompts: list[EncodedPrompt],
-    seqs: list[Sequence],
-    rows: list[int],
-    pad_id: int,
-    *,
-    share_images: bool = False,
-    merge_size: int = 2,
-) -> MicroBatch:
-    """Pad the sequences `rows` into one MicroBatch (layout in the module docstring)."""
-    chosen = [seqs[r] for r in rows]
-    T = max(max(len(s.completion_ids), 1) for s in chosen)
-    L = max(len(prompts[s.prompt].input_ids) + max(len(s.completion_ids), 1) for s in chosen)
-    L += (-L) % SEQ_MULTIPLE
-    B = len(chosen)
-    input_ids = torch.full((B, L), pad_id, dtype=torch.long)
-    attention = torch.zeros((B, L), dtype=torch.long)
-    mm_types = torch.zeros((B, L), dtype=torch.long)
-    starts = torch.zeros(B, dtype=torch.long)
-    comp = torch.full((B, T), pad_id, dtype=torch.long)
-    comp_mask = torch.zeros((B, T))
-    samp = torch.zeros((B, T))
-    pixels: list[torch.Tensor] = []
-    grids: list[torch.Tensor] = []
-    sources: list[int] = []
-    distinct: dict[int, int] = {}
-    for b, s in enumerate(chosen):
-        ep = prompts[s.prompt]
-        n, k = len(ep.input_ids), len(s.completion_ids)
-        input_ids[b, :n] = ep.input_ids
-        mm_types[b, :n] = ep.mm_token_type_ids
-        attention[b, : n + k] = 1
-        starts[b] = n
-        if k:
-            ids = torch.tensor(s.completion_ids, dtype=torch.long)
-            input_ids[b, n : n + k] = ids
-            comp[b, :k] = ids
-            comp_mask[b, :k] = 1.0
-            samp[b, :k] = torch.tensor(s.sampling_logprobs[:k], dtype=torch.float32)
-        if ep.pixel_values is not None and ep.image_grid_thw is not None:
-            grids.append(ep.image_grid_thw)
-            key = s.prompt if share_images else -1 - b  # without sharing every row is its own source
-            if key not in distinct:
-                distinct[key] = len(distinct)
-                pixels.append(ep.pixel_values)
-            sources.append(distinct[key])
-    share = None
-    if pixels and len(pixels) < len(grids):
-        unique_grids = [grids[sources.index(u)] for u in range(len(pixels))]
-        share = share_plan(unique_grids, sources, merge_size)
-    return MicroBatch(
-        input_ids=input_ids,
-        attention_mask=attention,
-        mm_token_type_ids=mm_types,
-        pixel_values=torch.cat(pixels) if pixels else None,
-        image_grid_thw=torch.cat(grids) if grids else None,
-        completion_ids=comp,
-        completion_mask=comp_mask,
-        advantages=torch.tensor([s.advantage for s in chosen], dtype=torch.float32),
-        sampling_logprobs=samp,
-        starts=starts,
-        rows=list(rows),
-        num_tokens=int(comp_mask.sum()),
-        sequence_tokens=int(attention.sum()),
-        image_share=share,
-    )

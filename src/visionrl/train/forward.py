@@ -15,29 +15,16 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from visionrl.algo import entropy_from_logits, token_logprobs
+from visionrl.models.sequences import ImageShare
 
 logger = logging.getLogger(__name__)
 SUPPRESSED_LOGIT = -1e9  # a large finite value, not -inf: keeps entropy and its gradient finite (algo.losses)
-
-
-@dataclass
-class ImageShare:
-    """How a micro-batch's images map onto the distinct ones actually encoded.
-
-    `grid_thw` is the per-row grid ([num_images, 3], what M-RoPE and the placeholder check need); the vision
-    tower runs on `unique_grid_thw` only, and `token_index[k]` names the encoded merged token that the k-th image
-    token of the micro-batch copies.
-    """
-
-    unique_grid_thw: torch.Tensor  # [num_unique, 3] long
-    token_index: torch.Tensor  # [num_image_tokens] long
 
 
 class SharedImages:
@@ -73,19 +60,6 @@ class SharedImages:
         if deepstack is not None:
             output.deepstack_features = [f.index_select(0, index) for f in deepstack]
         return output
-
-
-def share_plan(grids: list[torch.Tensor], sources: list[int], merge: int) -> ImageShare | None:
-    """The `ImageShare` for images whose grids are `grids` (one [n_i, 3] tensor per distinct prompt, in order)
-    and where row-image block j copies distinct block `sources[j]`; None when nothing repeats."""
-    if len(set(sources)) == len(sources):
-        return None
-    counts = [int(g.prod(-1).sum()) // (merge * merge) for g in grids]
-    offsets = [0]
-    for c in counts[:-1]:
-        offsets.append(offsets[-1] + c)
-    index = torch.cat([torch.arange(offsets[s], offsets[s] + counts[s]) for s in sources])
-    return ImageShare(unique_grid_thw=torch.cat(grids), token_index=index)
 
 
 def _chunk_stats(

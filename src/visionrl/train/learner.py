@@ -34,15 +34,9 @@ from visionrl.models.loader import (
     lora_param_groups,
     vision_token_ids,
 )
+from visionrl.models.sequences import EncodedPrompt, MicroBatch, Sequence, collate
 from visionrl.train import learner_state
-from visionrl.train.batching import (
-    NO_GRAD_BATCH_TOKENS,
-    EncodedPrompt,
-    MicroBatch,
-    Sequence,
-    collate,
-    plan_micro_batches,
-)
+from visionrl.train.batching import NO_GRAD_BATCH_TOKENS, plan_micro_batches
 from visionrl.train.forward import SharedImages, compile_decoder_layers, completion_stats
 from visionrl.train.mismatch import (
     AdapterSnapshot,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from visionrl.train.batching import Sequence
+from visionrl.models.sequences import Sequence
 from visionrl.train.ranks import RankGroup
 
 
