@@ -1,4 +1,5 @@
-"""Pure helpers of the loop: building the train batch (dynamic sampling), step metrics, the step clock."""
+"""Pure helpers of the loop: collecting a step's batch (dynamic sampling, rejected prompts), building the train
+batch, step metrics, the step clock, reward shaping."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import pytest
 import torch
 
 from visionrl.config import config_from_dict
-from visionrl.orchestrate.loop import StepClock, _collect, _step_metrics, _train_batch
+from visionrl.orchestrate.collect import collect
+from visionrl.orchestrate.loop import _train_batch
+from visionrl.orchestrate.step_log import StepClock, step_metrics
 from visionrl.rewards import RewardResult
 from visionrl.types import Completion, PromptItem, SamplingSpec
 
@@ -87,7 +90,7 @@ SIGNAL, FLAT = (1.0, 0.0), (1.0, 1.0)
 
 def test_collect_without_dynamic_sampling_keeps_one_batch_whole() -> None:
     workers = _FakeWorkers({0: FLAT, 1: SIGNAL})
-    got = _collect(_FakeStream(), workers, SamplingSpec(n=2), _cfg2(False), StepClock())
+    got = collect(_FakeStream(), workers, SamplingSpec(n=2), _cfg2(False), StepClock())
     assert (
         [p.text for p in got.prompts] == ["p0", "p1"]
         and got.keep.tolist() == [True, True]
@@ -98,7 +101,7 @@ def test_collect_without_dynamic_sampling_keeps_one_batch_whole() -> None:
 def test_collect_with_dynamic_sampling_samples_until_the_step_is_full_of_signal() -> None:
     # round 1: p0 flat, p1 signal; round 2: p2 flat, p3 signal -> 2 groups with signal, stop after 2 rounds.
     workers = _FakeWorkers({0: FLAT, 1: SIGNAL, 2: FLAT, 3: SIGNAL, 4: SIGNAL, 5: SIGNAL})
-    got = _collect(_FakeStream(), workers, SamplingSpec(n=2), _cfg2(True), StepClock())
+    got = collect(_FakeStream(), workers, SamplingSpec(n=2), _cfg2(True), StepClock())
     assert got.rounds == 2
     assert [p.text for p in got.prompts] == ["p0", "p1", "p2", "p3"]
     assert got.keep.tolist() == [False, True, False, True]
@@ -112,7 +115,7 @@ def test_collect_with_dynamic_sampling_samples_until_the_step_is_full_of_signal(
 
 def test_collect_stops_after_max_rounds_and_drops_surplus_groups() -> None:
     # only flat groups for 2 rounds (max): nothing to train on; surplus: 3 signal groups found for 2 slots.
-    flat = _collect(
+    flat = collect(
         _FakeStream(),
         _FakeWorkers({i: FLAT for i in range(10)}),
         SamplingSpec(n=2),
@@ -120,7 +123,7 @@ def test_collect_stops_after_max_rounds_and_drops_surplus_groups() -> None:
         StepClock(),
     )
     assert flat.rounds == 2 and flat.keep.tolist() == [False] * 4
-    surplus = _collect(
+    surplus = collect(
         _FakeStream(),
         _FakeWorkers({0: FLAT, 1: SIGNAL, 2: SIGNAL, 3: SIGNAL}),
         SamplingSpec(n=2),
@@ -132,25 +135,25 @@ def test_collect_stops_after_max_rounds_and_drops_surplus_groups() -> None:
 
 def test_prompts_the_engine_rejected_are_left_out_and_counted() -> None:
     workers = _FakeWorkers({1: SIGNAL}, rejected=frozenset({0}))
-    got = _collect(_FakeStream(), workers, SamplingSpec(n=2), _cfg2(False), StepClock())
+    got = collect(_FakeStream(), workers, SamplingSpec(n=2), _cfg2(False), StepClock())
     assert [p.text for p in got.prompts] == ["p1"] and got.keep.tolist() == [True]
     assert (got.skipped, got.rounds, got.rewards.tolist()) == (1, 1, [1.0, 0.0])
 
 
 def test_a_batch_the_engine_rejected_whole_is_replaced_by_the_next() -> None:
     workers = _FakeWorkers({2: SIGNAL, 3: FLAT}, rejected=frozenset({0, 1}))
-    got = _collect(_FakeStream(), workers, SamplingSpec(n=2), _cfg2(False), StepClock())
+    got = collect(_FakeStream(), workers, SamplingSpec(n=2), _cfg2(False), StepClock())
     assert [p.text for p in got.prompts] == ["p2", "p3"] and (got.skipped, got.rounds) == (2, 1)
 
 
 def test_batch_after_batch_rejected_stops_the_run_with_the_cause() -> None:
     from visionrl.errors import RunError
-    from visionrl.orchestrate.loop import MAX_REJECTED_BATCHES
+    from visionrl.orchestrate.collect import MAX_REJECTED_BATCHES
 
     stream = _FakeStream()
     workers = _FakeWorkers({}, rejected=frozenset(range(100)))
     with pytest.raises(RunError, match=f"rejected every prompt of {MAX_REJECTED_BATCHES} batches in a row"):
-        _collect(stream, workers, SamplingSpec(n=2), _cfg2(False), StepClock())
+        collect(stream, workers, SamplingSpec(n=2), _cfg2(False), StepClock())
     assert stream.n == 2 * MAX_REJECTED_BATCHES
 
 
@@ -163,7 +166,7 @@ def test_step_metrics_by_hand() -> None:
         num_timeouts={"exact_match": 0},
         error_examples={},
     )
-    m = _step_metrics(rewards, _groups(), scores, {"loss/policy": 0.25, "update_s": 9.0}, 2, 1)
+    m = step_metrics(rewards, _groups(), scores, {"loss/policy": 0.25, "update_s": 9.0}, 2, 1)
     assert m["reward/mean"] == pytest.approx(0.5)
     assert m["reward/std"] == pytest.approx(0.5)  # population std of three 1s and three 0s
     assert m["reward/zero_std_fraction"] == pytest.approx(2 / 3)
