@@ -1,5 +1,6 @@
-"""The package's import graph: no cycle anywhere in src/ (function-level imports included), payload types at
-the bottom, and no module past the size where it should be split."""
+"""The package's import graph: every import points down the floors of LAYERS, no cycle anywhere in src/
+(function-level imports included), payload types at the bottom, and no module past the size where it should be
+split."""
 
 from __future__ import annotations
 
@@ -12,6 +13,37 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = "visionrl"
 MAX_LINES = 500
 
+# The floors of the package, bottom to top. A module imports modules of its own floor and of the floors below,
+# never of a floor above. An entry names a module, or a package and with it every module inside; a new module
+# must be placed (test_every_module_is_on_a_floor).
+Floors = list[tuple[str, tuple[str, ...]]]  # (name, entries), bottom to top
+
+LAYERS: Floors = [
+    (
+        "shared",
+        (
+            "visionrl", "visionrl.types", "visionrl.errors", "visionrl.files", "visionrl.run_layout",
+            "visionrl.faults", "visionrl.pictures", "visionrl.finite",
+        ),
+    ),
+    ("math", ("visionrl.algo",)),
+    ("inputs", ("visionrl.data", "visionrl.rewards")),
+    ("run records", ("visionrl.checkpoint", "visionrl.history", "visionrl.metrics")),
+    (
+        "config",
+        (
+            "visionrl.config", "visionrl.config_algorithm", "visionrl.config_placement", "visionrl.config_ray",
+            "visionrl.config_yaml",
+        ),
+    ),
+    ("adapter", ("visionrl.adapter",)),
+    ("models", ("visionrl.models",)),
+    ("engines and learner", ("visionrl.rollout", "visionrl.train")),
+    ("evaluation and serving", ("visionrl.eval", "visionrl.serve")),
+    ("orchestration", ("visionrl.orchestrate",)),
+    ("entry points", ("visionrl.cli", "visionrl.demo")),
+]  # fmt: skip
+
 
 def _module_name(path: Path) -> str:
     parts = list(path.relative_to(SRC).with_suffix("").parts)
@@ -21,17 +53,29 @@ def _module_name(path: Path) -> str:
 MODULES = {_module_name(p): p for p in sorted((SRC / PACKAGE).rglob("*.py"))}
 
 
+def _absolute(module: str, name: str | None, level: int) -> str:
+    """The absolute name of `from <level dots><name> import ...` written in `module`."""
+    if level == 0:
+        return name or ""
+    package = module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
+    for _ in range(level - 1):
+        package = package.rpartition(".")[0]
+    return f"{package}.{name}" if name else package
+
+
 def _imports(module: str) -> set[str]:
-    """The visionrl modules `module` imports (`from pkg import sub` counts as importing `pkg.sub`)."""
+    """The visionrl modules `module` imports, at any depth of its code (`from pkg import sub` counts as importing
+    `pkg.sub`; relative imports count as the absolute ones they stand for)."""
     tree = ast.parse(MODULES[module].read_text())
     found: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+        elif isinstance(node, ast.ImportFrom):
+            base = _absolute(module, node.module, node.level)
             for alias in node.names:
-                sub = f"{node.module}.{alias.name}"
-                found.add(sub if sub in MODULES else node.module)
+                sub = f"{base}.{alias.name}"
+                found.add(sub if sub in MODULES else base)
     return {name for name in found if name in MODULES and name != module}
 
 
@@ -58,6 +102,63 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
                 path.append(child)
                 stack.append(iter(sorted(graph[child])))
     return None
+
+
+def floor_of(module: str, layers: Floors) -> int | None:
+    """The index in `layers` of the entry naming `module` (the longest such entry), or None. The package root
+    names only itself, not the whole package."""
+    best: tuple[int, int] | None = None  # (entry length, floor)
+    for floor, (_, entries) in enumerate(layers):
+        for entry in entries:
+            inside = entry != PACKAGE and module.startswith(entry + ".")
+            if (module == entry or inside) and (best is None or len(entry) > best[0]):
+                best = (len(entry), floor)
+    return None if best is None else best[1]
+
+
+def upward_imports(graph: dict[str, set[str]], layers: Floors) -> list[str]:
+    """`a (floor) imports b (higher floor)` for every import of `graph` that points up the floors."""
+    found = []
+    for module in sorted(graph):
+        here = floor_of(module, layers)
+        for target in sorted(graph[module]):
+            there = floor_of(target, layers)
+            if here is not None and there is not None and there > here:
+                found.append(
+                    f"{module} (floor {layers[here][0]!r}) imports {target} (floor {layers[there][0]!r}, higher)"
+                )
+    return found
+
+
+def test_floor_of_takes_the_longest_entry_and_keeps_the_root_to_itself() -> None:
+    layers: Floors = [("low", ("visionrl", "visionrl.a.core")), ("high", ("visionrl.a",))]
+    modules = ("visionrl", "visionrl.a", "visionrl.a.x", "visionrl.a.core.y", "visionrl.b")
+    assert [floor_of(m, layers) for m in modules] == [0, 1, 1, 0, None]
+
+
+def test_upward_imports_names_both_modules_of_a_planted_upward_import() -> None:
+    layers: Floors = [("low", ("pkg.low",)), ("high", ("pkg.high",))]
+    graph = {"pkg.low.a": {"pkg.high.b", "pkg.low.c"}, "pkg.high.b": {"pkg.low.c"}, "pkg.low.c": set()}
+    assert upward_imports(graph, layers) == [
+        "pkg.low.a (floor 'low') imports pkg.high.b (floor 'high', higher)"
+    ]
+
+
+def test_every_import_points_down_the_floors() -> None:
+    found = upward_imports(GRAPH, LAYERS)
+    assert not found, "imports that point up the floors of LAYERS:\n" + "\n".join(found)
+
+
+def test_every_module_is_on_a_floor() -> None:
+    unplaced = [module for module in MODULES if floor_of(module, LAYERS) is None]
+    assert not unplaced, f"place these modules on a floor of LAYERS in {Path(__file__).name}: {unplaced}"
+
+
+def test_every_floor_entry_names_a_module() -> None:
+    entries = [entry for _, names in LAYERS for entry in names]
+    stale = [e for e in entries if e not in MODULES and not any(m.startswith(e + ".") for m in MODULES)]
+    assert not stale, f"LAYERS names modules that do not exist: {stale}"
+    assert len(entries) == len(set(entries)), "a LAYERS entry is on two floors"
 
 
 def test_find_cycle_finds_a_planted_cycle_and_accepts_a_tree() -> None:
