@@ -117,10 +117,10 @@ REQUIRED_SCALARS: tuple[str, ...] = (
     THROUGHPUT,
     EVAL_ACCURACY,
 )
-"""Scalar tags every training run must write (DESIGN.md); checks and dashboards rely on them."""
+"""Scalar tags every training run must write (tests/integration/test_loop.py reads them back)."""
 
 REQUIRED_HISTOGRAMS: tuple[str, ...] = (REWARD_HIST, LENGTH_HIST)
-"""Histogram tags every training run must write (DESIGN.md)."""
+"""Histogram tags every training run must write (read back by the same test)."""
 
 REWARD_COMPONENT_PREFIX = "reward/component/"
 
