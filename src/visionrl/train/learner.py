@@ -3,7 +3,11 @@
 A plain class (no Ray), wrapped by a thin Ray actor in `orchestrate/actors.py`. One `train_step` takes a
 rollout batch (prompts, completions, advantages) and performs `updates_per_batch` optimizer steps, each
 over a mini-batch accumulated from token-budget micro-batches whose losses use the mini-batch's global
-normalisers, so the gradient equals that of one large batch.
+normalisers, so the gradient equals that of one large batch. Its parts, in order: plan the mini-batches and
+each rank's shard (`_plan_mini_batches`), the old and reference log-probs (`_old_logprobs`, `_precompute`),
+then per mini-batch (`_update`) the forward and backward of each micro-batch (`_backward`; its loss is
+`train.objective`), the gradients summed and clipped (`_reduce_and_clip_grads`) and the step applied unless
+it is non-finite (`_apply`), and the step's metrics.
 
 The policy is the *sampling* distribution: logits / temperature with vision tokens removed (they can never
 be sampled), which is also what the engines report log-probs of, so ratios and the reported
@@ -23,7 +27,6 @@ import torch
 
 from visionrl import faults
 from visionrl import metrics as tags
-from visionrl.algo import aggregate, kl_penalty, masked_mean, policy_loss, rollout_correction
 from visionrl.config import JobConfig
 from visionrl.data.images import ImageBudget
 from visionrl.errors import NonFiniteError
@@ -47,6 +50,7 @@ from visionrl.train.mismatch import (
     staleness,
     swapped,
 )
+from visionrl.train.objective import metric_keys, micro_batch_loss
 from visionrl.train.ranks import (
     RankGroup,
     clip_grads,
@@ -187,43 +191,25 @@ class Learner:
         t0 = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        algo = self.cfg.algorithm
-        encoded = self.encode_prompts(batch.prompts)
-        # Mini-batches of whole groups (sequences of one prompt stay together), in rollout order.
-        by_prompt: dict[int, list[int]] = {}
-        for row, seq in enumerate(batch.sequences):
-            by_prompt.setdefault(seq.prompt, []).append(row)
-        groups = list(by_prompt.values())
-        n_updates = min(algo.updates_per_batch, len(groups))
-        minis = [[r for g in groups[u::n_updates] for r in g] for u in range(n_updates)]
-        # Old log-probs only where the policy has moved: the first mini-batch is trained on-policy (old = the
-        # detached current log-probs, ratio exactly 1); later ones need the log-probs from before any update
-        # (algorithm.old_logprobs=engine: the engine's sampling log-probs for every mini-batch, no pass).
-        # With several learner ranks each computes and trains on its shard of every mini-batch (train.ranks).
-        seqs = batch.sequences
-        lengths = [len(encoded[s.prompt].input_ids) + len(s.completion_ids) for s in seqs]
-        shards = [self.ranks.mine(rows, lengths) for rows in minis]
+        encoded, seqs = self.encode_prompts(batch.prompts), batch.sequences
+        minis, shards = self._plan_mini_batches(encoded, seqs)
         t1 = time.perf_counter()
-        later = [r for rows in shards[1:] for r in rows]
-        own_old = len(minis) > 1 and algo.old_logprobs == "learner"  # engine: the sampling log-probs instead
-        old = self._precompute(encoded, seqs, later, adapter=True) if own_old else None
+        later = [r for rows in shards[1:] for r in rows]  # this rank's, of the mini-batches after the first
+        old = self._old_logprobs(encoded, seqs, later, len(minis))
         t2 = time.perf_counter()
-        ref = None
-        if algo.kl_coef > 0:
-            ref = self._precompute(encoded, seqs, [r for rows in shards for r in rows], adapter=False)
-        t3 = time.perf_counter()
         mine = [r for rows in shards for r in rows]
+        ref = self._precompute(encoded, seqs, mine, adapter=False) if self.cfg.algorithm.kl_coef > 0 else None
+        t3 = time.perf_counter()
         # Async batches were sampled with an older version: the guard scores them under it (train.mismatch).
         stale = any(s.adapter_version not in (None, self.version) for s in seqs)
         diff_at_sampling = self._mismatch_at_sampling_versions(encoded, seqs, mine) if stale else None
         # kept when this update makes a new version: the engines sample the next batch with this one
         before = snapshot(self._trainable(), self.version) if self.cfg.rollout.async_steps else None
         totals: dict[str, float] = {tags.SKIPPED_UPDATES: 0.0, tags.STALENESS: staleness(seqs, self.version)}
-        first_diff, first_tokens = 0.0, 0.0
+        n_updates, first = len(minis), {tags.LOGPROB_DIFF: 0.0, tags.LEARNER_TOKENS: 0.0}
         for u, rows in enumerate(minis):
             metrics = self._update(encoded, seqs, rows, shards[u], old if u > 0 else None, ref)
-            if u == 0:  # measured before this step's first optimizer update, like the old log-probs
-                first_diff, first_tokens = metrics[tags.LOGPROB_DIFF], metrics[tags.LEARNER_TOKENS]
+            first = metrics if u == 0 else first  # before this step's first optimizer update, like `old`
             for k, v in metrics.items():
                 totals[k] = totals.get(k, 0.0) + v / n_updates
         totals[tags.SKIPPED_UPDATES] *= n_updates  # a count, not a mean
@@ -232,7 +218,9 @@ class Learner:
             self.version += 1
             self._previous = before
         if diff_at_sampling is None:
-            diff_at_sampling = engine_mismatch(seqs, later, old, first_diff, first_tokens, self.ranks)
+            diff_at_sampling = engine_mismatch(
+                seqs, later, old, first[tags.LOGPROB_DIFF], first[tags.LEARNER_TOKENS], self.ranks
+            )
         totals[tags.LOGPROB_DIFF] = diff_at_sampling
         totals[tags.LEARNER_TOKENS] *= n_updates  # a sum over the mini-batches, not a mean
         totals[tags.LEARNER_SEQUENCE_TOKENS] *= n_updates
@@ -245,6 +233,32 @@ class Learner:
         totals["update_s"] = time.perf_counter() - t0
         totals["adapter_version"] = float(self.version)
         return totals
+
+    def _plan_mini_batches(
+        self, encoded: list[EncodedPrompt], seqs: list[Sequence]
+    ) -> tuple[list[list[int]], list[list[int]]]:
+        """The step's mini-batches (rows of `seqs`) and this rank's shard of each. Mini-batches are of whole
+        groups (the sequences of one prompt stay together), in rollout order; with several learner ranks each
+        computes and trains on its shard of every mini-batch (train.ranks)."""
+        by_prompt: dict[int, list[int]] = {}
+        for row, seq in enumerate(seqs):
+            by_prompt.setdefault(seq.prompt, []).append(row)
+        groups = list(by_prompt.values())
+        n_updates = min(self.cfg.algorithm.updates_per_batch, len(groups))
+        minis = [[r for g in groups[u::n_updates] for r in g] for u in range(n_updates)]
+        lengths = [len(encoded[s.prompt].input_ids) + len(s.completion_ids) for s in seqs]
+        return minis, [self.ranks.mine(rows, lengths) for rows in minis]
+
+    def _old_logprobs(
+        self, encoded: list[EncodedPrompt], seqs: list[Sequence], later: list[int], n_minis: int
+    ) -> dict[int, torch.Tensor] | None:
+        """Old log-probs only where the policy has moved: the first mini-batch is trained on-policy (old = the
+        detached current log-probs, ratio exactly 1); later ones (this rank's rows `later`) need the log-probs
+        from before any update. None with one mini-batch, or with algorithm.old_logprobs=engine (the engine's
+        sampling log-probs are the old policy of every mini-batch: no pass)."""
+        if n_minis > 1 and self.cfg.algorithm.old_logprobs == "learner":
+            return self._precompute(encoded, seqs, later, adapter=True)
+        return None
 
     @torch.no_grad()
     def _precompute(
@@ -291,30 +305,6 @@ class Learner:
         total, count = self.ranks.sum_(local).tolist()
         return total / count if count else 0.0
 
-    def _correction(
-        self, old_lp: torch.Tensor, sampling_lp: torch.Tensor, mask: torch.Tensor
-    ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
-        """Rollout-correction weights (learner old log-probs over the engine's) for the policy loss, and their
-        metrics weighted for the micro-batch average; (None, {}) with `algorithm.rollout_correction: off`."""
-        algo = self.cfg.algorithm
-        if algo.rollout_correction == "off":
-            return None, {}
-        lower = algo.correction_lower if algo.correction_mode == "mask" else None
-        weights, m = rollout_correction(
-            old_lp,
-            sampling_lp,
-            mask,
-            level=algo.rollout_correction,
-            threshold=algo.correction_threshold,
-            lower=lower,
-        )
-        affected = m["masked_fraction"] if lower is not None else m["truncated_fraction"]
-        return weights, {
-            tags.CORRECTION_WEIGHT: m["mean_weight"],
-            tags.CORRECTION_CLIPPED: affected,
-            tags.MISMATCH_KL: m["mismatch_kl"],
-        }
-
     def _even_out(self, mbs: list[MicroBatch], encoded: list[EncodedPrompt], seqs: list[Sequence]) -> None:
         """With FSDP every rank must run as many passes as the busiest one (each pass is a collective): append
         micro-batches of one sequence that take part in the collectives and in nothing else (`rows` empty)."""
@@ -332,103 +322,88 @@ class Learner:
         rows = [torch.nn.functional.pad(store[r][:T], (0, max(0, T - len(store[r])))) for r in mb.rows]
         return torch.stack(rows).to(self.device)
 
-    def _update(self, encoded, seqs, rows, mine, old, ref) -> dict[str, float]:
+    def _update(
+        self,
+        encoded: list[EncodedPrompt],
+        seqs: list[Sequence],
+        rows: list[int],
+        mine: list[int],
+        old: dict[int, torch.Tensor] | None,
+        ref: dict[int, torch.Tensor] | None,
+    ) -> dict[str, float]:
         """One optimizer step over the mini-batch `rows` (this rank trains on `mine` of them), accumulated over
         its micro-batches; the normalisers count the whole mini-batch, across ranks."""
-        algo, cfg = self.cfg.algorithm, self.cfg
         self.model.train()
         mbs = self._micro_batches(encoded, seqs, mine) if mine else []
         self._even_out(mbs, encoded, seqs)
-        num_tokens = float(sum(len(seqs[r].completion_ids) for r in rows))
-        num_seqs = float(sum(1 for r in rows if seqs[r].completion_ids))
         norms = {
-            "num_tokens": num_tokens,
-            "num_sequences": num_seqs,
-            "norm_length": float(cfg.rollout.max_new_tokens),
+            "num_tokens": float(sum(len(seqs[r].completion_ids) for r in rows)),
+            "num_sequences": float(sum(1 for r in rows if seqs[r].completion_ids)),
+            "norm_length": float(self.cfg.rollout.max_new_tokens),
         }
         # Metrics stay on the device until the end of the step: one host sync instead of several per micro-batch.
-        keys = [
-            tags.LOSS_POLICY,
-            tags.LOSS_KL,
-            tags.LOSS_TOTAL,
-            tags.CLIP_FRACTION,
-            tags.APPROX_KL,
-            tags.ENTROPY,
-        ]
-        keys += [tags.LOGPROB_DIFF, tags.LEARNER_MICRO_BATCHES]
-        if algo.rollout_correction != "off":
-            keys += [tags.CORRECTION_WEIGHT, tags.CORRECTION_CLIPPED, tags.MISMATCH_KL]
         # Every rank holds the same keys, even one without sequences: they are summed over the ranks.
-        acc = {k: torch.zeros((), device=self.device) for k in keys}
+        acc = {k: torch.zeros((), device=self.device) for k in metric_keys(self.cfg.algorithm)}
         acc[tags.LEARNER_MICRO_BATCHES] += sum(1 for mb in mbs if mb.rows)
         self.optimizer.zero_grad(set_to_none=True)
         for mb in mbs:
-            mask = mb.completion_mask.to(self.device)
-            lp, entropy = self._stats(mb)
-            samp = mb.sampling_logprobs.to(self.device)
-            old_lp = self._gather(old, mb)
-            if (
-                old_lp is None
-            ):  # learner: on-policy, ratio 1, gradient of A * lp; engine: its sampling log-probs
-                old_lp = samp if algo.old_logprobs == "engine" else lp.detach()
-            weights, cm = self._correction(old_lp, samp, mask)
-            loss, pm = policy_loss(
-                lp,
-                old_lp,
-                mb.advantages.to(self.device),
-                mask,
-                clip_low=algo.clip_low,
-                clip_high=algo.clip_high,
-                dual_clip=algo.dual_clip,
-                aggregation=algo.loss_aggregation,
-                kind=algo.loss,
-                weights=weights,
-                tau_pos=algo.tau_pos,
-                tau_neg=algo.tau_neg,
-                **norms,
-            )
-            total = loss
-            ref_lp = self._gather(ref, mb)
-            kl = torch.zeros((), device=self.device)
-            if ref_lp is not None:
-                kl = aggregate(kl_penalty(lp, ref_lp, algo.kl_kind), mask, algo.loss_aggregation, **norms)
-                total = total + algo.kl_coef * kl
-            if algo.entropy_coef > 0:  # the entropy bonus; otherwise entropy is only reported
-                total = total - algo.entropy_coef * aggregate(entropy, mask, algo.loss_aggregation, **norms)
-            if not mb.rows:  # a filler contributes nothing but its share of FSDP's collectives
-                (total * 0.0).backward()
-                continue
-            if faults.active("nonfinite_loss"):
-                total = total * float("nan")  # what a diverged step produces: NaN loss, NaN gradients
-            total.backward()
-            w = mb.num_tokens / max(num_tokens, 1.0)  # token-weighted averages of per-micro-batch metrics
-            with torch.no_grad():
-                for k, v in {
-                    **{k: v * w for k, v in cm.items()},
-                    tags.LOSS_POLICY: loss.detach(),
-                    tags.LOSS_KL: kl.detach(),
-                    tags.LOSS_TOTAL: total.detach(),
-                    tags.CLIP_FRACTION: pm["clip_fraction"] * w,
-                    tags.APPROX_KL: pm["approx_kl"] * w,
-                    tags.ENTROPY: masked_mean(entropy.detach(), mask) * w,
-                    tags.LOGPROB_DIFF: masked_mean((lp.detach() - samp).abs(), mask) * w,
-                }.items():
-                    acc[k] = acc[k] + v
+            self._backward(mb, old, ref, norms, acc)
+        grad_norm = self._reduce_and_clip_grads()
+        summed = self.ranks.sum_(torch.stack([v.float() for v in acc.values()]))
+        out = dict(zip(acc, summed.tolist(), strict=True))
+        prompt_tokens = float(sum(len(encoded[seqs[r].prompt].input_ids) for r in rows))
+        out[tags.GRAD_NORM] = grad_norm
+        out[tags.LR] = float(self.scheduler.get_last_lr()[0])
+        out[tags.LEARNER_TOKENS] = norms["num_tokens"]
+        out[tags.LEARNER_SEQUENCE_TOKENS] = prompt_tokens + norms["num_tokens"]
+        out[tags.SKIPPED_UPDATES] = 0.0 if self._apply(out[tags.LOSS_TOTAL], grad_norm) else 1.0
+        return out
+
+    def _backward(
+        self,
+        mb: MicroBatch,
+        old: dict[int, torch.Tensor] | None,
+        ref: dict[int, torch.Tensor] | None,
+        norms: dict[str, float],
+        acc: dict[str, torch.Tensor],
+    ) -> None:
+        """Forward and backward of the micro-batch `mb`: its gradient added to the mini-batch's, its metrics to
+        `acc` (the loss terms as they are, already normalised for the mini-batch; the per-token means weighted
+        by the micro-batch's share of the mini-batch's tokens)."""
+        dev = self.device
+        lp, entropy = self._stats(mb)
+        loss = micro_batch_loss(
+            self.cfg.algorithm,
+            lp,
+            entropy,
+            mb.sampling_logprobs.to(dev),
+            mb.advantages.to(dev),
+            mb.completion_mask.to(dev),
+            norms,
+            old_lp=self._gather(old, mb),
+            ref_lp=self._gather(ref, mb),
+        )
+        total = loss.total
+        if not mb.rows:  # a filler contributes nothing but its share of FSDP's collectives
+            (total * 0.0).backward()
+            return
+        if faults.active("nonfinite_loss"):
+            total = total * float("nan")  # what a diverged step produces: NaN loss, NaN gradients
+        total.backward()
+        w = mb.num_tokens / max(norms["num_tokens"], 1.0)
+        with torch.no_grad():
+            for k, v in {**loss.terms, tags.LOSS_TOTAL: total.detach()}.items():
+                acc[k] = acc[k] + v
+            for k, v in loss.means.items():
+                acc[k] = acc[k] + v * w
+
+    def _reduce_and_clip_grads(self) -> float:
+        """The gradients summed over the ranks and clipped to train.max_grad_norm; their norm before clipping."""
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.ranks.sum_grads(trainable)
         if self.ranks.fsdp:
-            grad_norm = clip_grads(trainable, cfg.train.max_grad_norm)
-        else:
-            grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.train.max_grad_norm)
-        summed = self.ranks.sum_(torch.stack([acc[k].float() for k in keys]))
-        out = dict(zip(keys, summed.tolist(), strict=True))
-        out[tags.GRAD_NORM] = float(grad_norm)
-        out[tags.LR] = float(self.scheduler.get_last_lr()[0])
-        out[tags.LEARNER_TOKENS] = num_tokens
-        out[tags.LEARNER_SEQUENCE_TOKENS] = float(sum(len(encoded[seqs[r].prompt].input_ids) for r in rows))
-        out[tags.LEARNER_SEQUENCE_TOKENS] += num_tokens
-        out[tags.SKIPPED_UPDATES] = 0.0 if self._apply(out[tags.LOSS_TOTAL], out[tags.GRAD_NORM]) else 1.0
-        return out
+            return float(clip_grads(trainable, self.cfg.train.max_grad_norm))
+        return float(torch.nn.utils.clip_grad_norm_(trainable, self.cfg.train.max_grad_norm))
 
     def _apply(self, loss: float, grad_norm: float) -> bool:
         """Take the optimizer step unless the loss or the gradient norm is NaN or infinite. A non-finite step
