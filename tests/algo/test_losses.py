@@ -270,41 +270,6 @@ def test_bf16_logprobs_computed_in_float32() -> None:
     assert loss.dtype == torch.float32
 
 
-def test_micro_batch_additivity_with_global_normalisers() -> None:
-    # Six sequences with response lengths [5, 3, 0, 2, 4, 1] padded to T = 5; split into rows 0-1 and
-    # rows 2-5, the second padded only to its own longest length 4 (as a token-budget batcher would).
-    # Global normalisers: 15 tokens, 5 non-empty sequences, norm_length = 5 (the full batch's T).
-    gen = torch.Generator().manual_seed(0)
-    lengths = torch.tensor([5, 3, 0, 2, 4, 1])
-    mask = (torch.arange(5)[None, :] < lengths[:, None]).to(F64)
-    logprobs = -torch.rand(6, 5, generator=gen, dtype=F64)
-    old = logprobs - 0.3 * torch.randn(6, 5, generator=gen, dtype=F64)
-    adv = torch.randn(6, generator=gen, dtype=F64)
-    norms = {"num_tokens": 15.0, "num_sequences": 5, "norm_length": 5}
-    for aggregation in AGGREGATIONS:
-        full_lp = logprobs.clone().requires_grad_()
-        full, _ = policy_loss(full_lp, old, adv, mask, aggregation=aggregation, dual_clip=2.0)
-        full.backward()
-        micro_lp = logprobs.clone().requires_grad_()
-        parts = [(slice(0, 2), 5), (slice(2, 6), 4)]
-        total = sum(
-            policy_loss(
-                micro_lp[rows, :t],
-                old[rows, :t],
-                adv[rows],
-                mask[rows, :t],
-                aggregation=aggregation,
-                dual_clip=2.0,
-                **norms,
-            )[0]
-            for rows, t in parts
-        )
-        total.backward()
-        assert total.item() == pytest.approx(full.item(), abs=1e-12), aggregation
-        assert torch.allclose(micro_lp.grad, full_lp.grad, atol=1e-12), aggregation
-        assert full_lp.grad.abs().sum() > 0
-
-
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
