@@ -17,7 +17,7 @@ from visionrl.adapter.export import export_adapter
 from visionrl.adapter.files import MANIFEST_NAME, read_safetensors_header
 from visionrl.adapter.manifest import chat_template_sha256, processor_settings, verify_adapter
 from visionrl.adapter.servable import adapter_module_names, check_servable
-from visionrl.checkpoint import save_checkpoint
+from visionrl.checkpoint import CheckpointError, save_checkpoint
 from visionrl.config import LM_PROJECTIONS, MERGER_PROJECTIONS, LoraConfig, config_from_dict, dump_config
 from visionrl.errors import ExportError, InputError, StorageError
 from visionrl.models.loader import lora_target_regex
@@ -176,6 +176,22 @@ def test_export_into_the_adapter_dir_adds_the_manifest(tmp_path: Path, models: d
     assert verify_adapter(str(run / "adapter")) == manifest
     # The run's adapter dir now holds a manifest; exporting the run again still works.
     assert export_adapter(run, str(tmp_path / "out"))["files"] == manifest["files"]
+
+
+def test_export_checks_the_source_against_its_manifest(tmp_path: Path, models: dict[str, Path]) -> None:
+    """The source is read by `visionrl.adapter.resolve`: a run's exported final adapter that was changed since is
+    refused (no export of it, no fallback to a checkpoint), and so is a changed checkpoint file."""
+    run = _make_run(tmp_path, models)
+    export_adapter(run, str(run / "adapter"))  # the final adapter now has its manifest
+    save_checkpoint(run, 1, adapter_files={n: (models["lm"] / n).read_bytes() for n in PEFT_FILES},
+                    trainer_state=b"state", sampler_state={})  # fmt: skip
+    (run / "adapter" / "adapter_config.json").write_text("{}")
+    with pytest.raises(ExportError, match=r"adapter_config\.json in .*does not match its manifest"):
+        export_adapter(run, str(tmp_path / "out"))
+    (run / "checkpoints" / "step_1" / "trainer_state.pt").write_bytes(b"other")
+    with pytest.raises(CheckpointError, match="file trainer_state.pt of checkpoint"):
+        export_adapter(run / "checkpoints" / "step_1", str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
 
 
 def test_processor_and_template_of_older_checkpoint_layouts(tmp_path: Path) -> None:

@@ -18,43 +18,15 @@ from visionrl.adapter.files import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     MANIFEST_NAME,
-    has_adapter_files,
     read_adapter_config,
     read_json_object,
 )
 from visionrl.adapter.manifest import build_manifest, first_bad_file, join, write_manifest
+from visionrl.adapter.resolve import resolve_adapter
 from visionrl.adapter.storage import filesystem, is_local
-from visionrl.checkpoint import MANIFEST as CHECKPOINT_MANIFEST
-from visionrl.checkpoint import latest_checkpoint, verify_checkpoint
 from visionrl.errors import ExportError, storage_error
 from visionrl.finite import describe, nonfinite_in_file
-from visionrl.run_layout import ADAPTER_DIR, CHECKPOINTS_DIR, RUN_CONFIG, RunDir
-
-
-def _resolve_source(src: Path) -> tuple[Path, Path | None]:
-    """(adapter dir, run dir or None) of a run dir, a checkpoint dir or an adapter dir."""
-    if not src.is_dir():
-        raise ExportError(
-            f"export source {src} is not a directory; pass a run directory, a checkpoint or an adapter"
-        )
-    if has_adapter_files(src):
-        if (src.parent / CHECKPOINT_MANIFEST).is_file():  # <run>/checkpoints/step_N/adapter
-            verify_checkpoint(src.parent)
-            return src, src.parent.parent.parent
-        return src, src.parent if src.name == ADAPTER_DIR else None
-    if (src / CHECKPOINT_MANIFEST).is_file():  # <run>/checkpoints/step_N
-        verify_checkpoint(src)
-        return src / ADAPTER_DIR, src.parent.parent
-    if has_adapter_files(src / ADAPTER_DIR):  # a finished run
-        return src / ADAPTER_DIR, src
-    newest = latest_checkpoint(src)
-    if newest is not None:  # a run without a final adapter (stopped early)
-        return newest / ADAPTER_DIR, src
-    raise ExportError(
-        f"no adapter in {src}: expected a run directory (with {ADAPTER_DIR}/ or {CHECKPOINTS_DIR}/step_N/), a "
-        f"checkpoint directory, or a PEFT adapter directory ({ADAPTER_CONFIG} + {ADAPTER_WEIGHTS}); "
-        "train first, or pass the directory that holds the adapter"
-    )
+from visionrl.run_layout import RUN_CONFIG, RunDir
 
 
 def _eval_summary(results: dict[str, Any]) -> dict[str, Any]:
@@ -113,13 +85,15 @@ def export_adapter(
     allow_unservable: bool = False,
     overwrite: bool = False,
 ) -> dict[str, Any]:
-    """Export the adapter of `src` (a run dir, a checkpoint dir or an adapter dir) to `dest` (a folder or URL).
+    """Export the adapter of `src` (a run dir, a checkpoint dir or an adapter dir, read and checked by
+    `visionrl.adapter.resolve`) to `dest` (a folder or URL).
 
     Order: the weights must be finite, the serving check (fails before any upload unless `allow_unservable`),
     a destination with foreign files is refused (unless `overwrite`), upload of the PEFT files, read-back check
     of every upload, and the manifest LAST. Returns the manifest.
     """
-    adapter_dir, run_dir = _resolve_source(Path(src))
+    found = resolve_adapter(src)
+    adapter_dir, run_dir = found.path, found.run_dir
     weights = adapter_dir / ADAPTER_WEIGHTS
     nonfinite = nonfinite_in_file(weights) if weights.is_file() else []
     if nonfinite:

@@ -17,6 +17,7 @@ import fsspec
 
 from visionrl.adapter.files import MANIFEST_NAME
 from visionrl.adapter.manifest import join, read_manifest
+from visionrl.adapter.resolve import export_folder
 from visionrl.adapter.storage import filesystem, is_local
 from visionrl.errors import ExportError
 from visionrl.files import sha256_file, sha256_stream
@@ -70,7 +71,8 @@ def _download_verified(fs: fsspec.AbstractFileSystem, remote: str, local: Path, 
 
 
 def fetch_adapter(src: str | os.PathLike[str], cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    """A verified local copy of the exported adapter at `src` (a folder or `s3://bucket/prefix`).
+    """A verified local copy of the exported adapter at `src` (a folder, a run directory whose final adapter
+    was exported, or `s3://bucket/prefix`; `visionrl.adapter.resolve.export_folder`).
 
     The export must have its manifest (written last by `visionrl export`: without it the export is not
     complete and is refused). Every file the manifest lists is downloaded into
@@ -81,6 +83,8 @@ def fetch_adapter(src: str | os.PathLike[str], cache_dir: str | os.PathLike[str]
     """
     src_text = os.fspath(src)
     fs, root = filesystem(src_text)
+    if is_local(fs):  # a local path by the one rule: an export folder, or a run directory's final adapter
+        root = str(export_folder(root))
     manifest, raw = read_manifest(fs, root, src_text)
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     target = cache / _cache_key(fs, root, raw)

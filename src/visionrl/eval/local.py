@@ -24,15 +24,14 @@ from typing import Any, Protocol
 from visionrl.adapter.files import (
     ADAPTER_CONFIG,
     ADAPTER_FILES,
-    MANIFEST_NAME,
     check_weights_open,
-    has_adapter_files,
     read_json_object,
     require_plain_lora,
     target_regex,
     targets_vision,
 )
-from visionrl.adapter.manifest import read_local_budget, verify_adapter
+from visionrl.adapter.manifest import read_local_budget
+from visionrl.adapter.resolve import resolve_adapter
 from visionrl.config import LoraConfig, RolloutConfig
 from visionrl.data.images import ImageBudget
 from visionrl.errors import InputError
@@ -41,7 +40,6 @@ from visionrl.eval.scoring import score_generations
 from visionrl.rewards import CombinedReward
 from visionrl.rollout.factory import ENGINES, make_engine
 from visionrl.rollout.vllm_platform import cpu_only
-from visionrl.run_layout import ADAPTER_DIR
 from visionrl.types import AdapterPayload, Completion, Generation, PromptItem, RolloutEngine, SamplingSpec
 
 logger = logging.getLogger(__name__)
@@ -137,24 +135,11 @@ def evaluate_prompts(
 
 
 def _resolve_adapter(adapter: str | Path) -> Path:
-    """The adapter directory: `adapter` itself, or its `adapter/` subfolder (a run directory), checked:
-    checksums when it has a manifest (an export or a run's final adapter), weights safetensors can open."""
-    path = Path(adapter)
-    if not path.is_dir():
-        raise InputError(
-            f"adapter '{path}' is not a directory; pass the adapter folder of a run (RUN_DIR/adapter), "
-            "or omit --adapter to evaluate the base model"
-        )
-    for candidate in (path, path / ADAPTER_DIR):
-        if has_adapter_files(candidate):
-            if (candidate / MANIFEST_NAME).is_file():
-                verify_adapter(str(candidate))
-            check_weights_open(candidate)
-            return candidate
-    raise InputError(
-        f"adapter '{path}' lacks {' and '.join(ADAPTER_FILES)}; pass a PEFT adapter folder "
-        "(saved with safetensors), e.g. RUN_DIR/adapter"
-    )
+    """The adapter folder `adapter` names (a run directory, a checkpoint, an export or a PEFT folder), its files
+    checked against their manifest (`visionrl.adapter.resolve`), with weights that safetensors can open."""
+    folder = resolve_adapter(adapter).path
+    check_weights_open(folder)
+    return folder
 
 
 def _read_adapter_config(adapter_dir: Path) -> dict[str, Any]:
