@@ -136,6 +136,17 @@ _DUAL_CLIP_KINDS = frozenset({"ppo"})
 LOSS_KINDS: tuple[str, ...] = tuple(_KINDS)
 
 
+def _kind_fn(kind: str, aggregation: str) -> KindFn:
+    """The per-token function of `kind`; ValueError for an unknown kind or aggregation."""
+    try:
+        kind_fn = _KINDS[kind]
+    except KeyError:
+        raise ValueError(f"unknown policy loss kind {kind!r}; choose one of {list(_KINDS)}") from None
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"unknown aggregation {aggregation!r}; choose one of {list(AGGREGATIONS)}")
+    return kind_fn
+
+
 def _check_policy_inputs(
     logprobs: Tensor,
     old_logprobs: Tensor,
@@ -143,6 +154,7 @@ def _check_policy_inputs(
     mask: Tensor,
     weights: Tensor | None,
     s: _Settings,
+    kind: str,
 ) -> None:
     """Raise ValueError naming the bad argument, its value and what is expected."""
     if logprobs.dim() != 2:
@@ -171,6 +183,27 @@ def _check_policy_inputs(
     for name, tau in (("tau_pos", s.tau_pos), ("tau_neg", s.tau_neg)):
         if not tau > 0:
             raise ValueError(f"{name} must be > 0 (the sharpness of SAPO's gate), got {tau!r}")
+    if s.dual_clip is not None and kind not in _DUAL_CLIP_KINDS:
+        raise ValueError(
+            f"dual_clip applies only to kind in {sorted(_DUAL_CLIP_KINDS)}, got kind={kind!r} with "
+            f"dual_clip={s.dual_clip!r}; set dual_clip=None"
+        )
+
+
+def _inputs(
+    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor
+) -> tuple[_Inputs, Tensor]:
+    """The kinds' inputs in the compute dtype, and the raw log-ratio lp - old (for the metrics)."""
+    # Ratios of bf16 log-probs are too coarse; float64 inputs stay float64.
+    dtype = torch.promote_types(logprobs.dtype, torch.float32)
+    keep = mask != 0
+    adv = advantages.detach().to(dtype)
+    adv = adv[:, None].expand(logprobs.shape) if adv.dim() == 1 else adv
+    lp = logprobs.to(dtype)
+    raw_log_ratio = lp - old_logprobs.detach().to(dtype)
+    # Padding may hold garbage log-probs; where() gives its unselected branch exactly zero gradient.
+    inputs = _Inputs(keep, adv, torch.where(keep, lp, 0.0), torch.where(keep, raw_log_ratio, 0.0))
+    return inputs, raw_log_ratio
 
 
 def policy_loss(
@@ -224,41 +257,18 @@ def policy_loss(
         ``num_tokens``; with ``dual_clip`` ``dual_clip_fraction``; for sapo ``gate_mean``. Empty batches
         give 0 for each.
     """
-    try:
-        kind_fn = _KINDS[kind]
-    except KeyError:
-        raise ValueError(f"unknown policy loss kind {kind!r}; choose one of {list(_KINDS)}") from None
-    if aggregation not in AGGREGATIONS:
-        raise ValueError(f"unknown aggregation {aggregation!r}; choose one of {list(AGGREGATIONS)}")
+    kind_fn = _kind_fn(kind, aggregation)
     settings = _Settings(clip_low, clip_high, dual_clip, tau_pos, tau_neg)
-    _check_policy_inputs(logprobs, old_logprobs, advantages, mask, weights, settings)
-    if dual_clip is not None and kind not in _DUAL_CLIP_KINDS:
-        raise ValueError(
-            f"dual_clip applies only to kind in {sorted(_DUAL_CLIP_KINDS)}, got kind={kind!r} with "
-            f"dual_clip={dual_clip!r}; set dual_clip=None"
-        )
-    # Ratios of bf16 log-probs are too coarse; float64 inputs stay float64.
-    dtype = torch.promote_types(logprobs.dtype, torch.float32)
-    keep = mask != 0
-    adv = advantages.detach().to(dtype)
-    adv = adv[:, None].expand(logprobs.shape) if adv.dim() == 1 else adv
-    lp = logprobs.to(dtype)
-    raw_log_ratio = lp - old_logprobs.detach().to(dtype)
-    # Padding may hold garbage log-probs; where() gives its unselected branch exactly zero gradient.
-    inputs = _Inputs(keep, adv, torch.where(keep, lp, 0.0), torch.where(keep, raw_log_ratio, 0.0))
+    _check_policy_inputs(logprobs, old_logprobs, advantages, mask, weights, settings, kind)
+    inputs, raw_log_ratio = _inputs(logprobs, old_logprobs, advantages, mask)
+    keep = inputs.keep
     out = kind_fn(inputs, settings)
     per_token = out.per_token
     if weights is not None:
         # Zero the weights' padding first: NaN * 0 there would still poison the product's gradient.
-        per_token = per_token * torch.where(keep, weights.detach().to(dtype), 0.0)
-    loss = aggregate(
-        per_token,
-        keep,
-        aggregation,
-        num_tokens=num_tokens,
-        num_sequences=num_sequences,
-        norm_length=norm_length,
-    )
+        per_token = per_token * torch.where(keep, weights.detach().to(per_token.dtype), 0.0)
+    norms = {"num_tokens": num_tokens, "num_sequences": num_sequences, "norm_length": norm_length}
+    loss = aggregate(per_token, keep, aggregation, **norms)
     return loss, _policy_metrics(keep, out, raw_log_ratio)
 
 
