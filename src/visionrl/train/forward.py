@@ -85,7 +85,7 @@ def completion_stats(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs and entropies [B, T] of the completion tokens (0 where `mask` is 0).
 
-    `hidden` [B, L, D] are the final hidden states of the micro-batch laid out as in `train.batching`: the
+    `hidden` [B, L, D] are the final hidden states of the micro-batch laid out as in `models.sequences`: the
     logit of row b's completion token t sits at position starts[b]-1+t. Padding is never sent through `lm_head`.
     """
     B, T = completion_ids.shape

@@ -144,7 +144,7 @@ class Learner:
         (0 at padding); with autograd when grad is enabled (`train.forward` keeps the logits in chunks)."""
         dev = self.device
         # No attention mask: every row's padding is at its end, so causal attention alone is exact at the real
-        # tokens and keeps SDPA on its fused causal kernel (train.batching).
+        # tokens and keeps SDPA on its fused causal kernel (models.sequences).
         kwargs: dict[str, Any] = {
             "input_ids": mb.input_ids.to(dev),
             "mm_token_type_ids": mb.mm_token_type_ids.to(dev),
