@@ -13,7 +13,7 @@ demo: setup
 	@$(PY) -m visionrl.demo --dir $(DEMO_DIR)
 
 test: setup
-	@$(PY) -m pytest $(PYTEST_ARGS)
+	@$(PY) -m pytest --durations=15 $(PYTEST_ARGS)
 
 test-fast: setup
 	@$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
