@@ -31,7 +31,7 @@ def _cfg(tmp_path: Path):
 
 @ray.remote
 class _Failing:
-    """Stands in for an actor method: raises inside the actor's memory guard, as the learner's `call` does."""
+    """Stands in for an actor method: raises inside the memory guard, as the learner actor's methods do."""
 
     def __init__(self, cfg) -> None:
         self.cfg = cfg
