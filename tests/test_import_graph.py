@@ -180,3 +180,43 @@ def test_shared_modules_import_nothing_from_the_package(bottom: str) -> None:
 def test_no_module_is_over_the_size_limit() -> None:
     sizes = {name: len(path.read_text().splitlines()) for name, path in MODULES.items()}
     assert {name: n for name, n in sizes.items() if n > MAX_LINES} == {}
+
+
+MAX_FUNCTION_LINES = 80  # a function longer than a screen is split into named parts
+STEP_FUNCTION_LINES = 50  # the GRPO step reads as its phases
+
+
+def long_functions(source: str, limit: int) -> dict[str, int]:
+    """Functions and methods of `source` (by qualified name) longer than `limit` lines, decorators excluded."""
+    found: dict[str, int] = {}
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef):
+                visit(child, f"{prefix}{child.name}.")
+            elif isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+                n = (child.end_lineno or child.lineno) - child.lineno + 1
+                if n > limit:
+                    found[prefix + child.name] = n
+                visit(child, f"{prefix}{child.name}.")
+
+    visit(ast.parse(source), "")
+    return found
+
+
+def test_long_functions_measures_a_planted_long_method() -> None:
+    body = "\n".join(f"        x{i} = {i}" for i in range(81))
+    source = f"class A:\n    @staticmethod\n    def f():\n{body}\n\ndef g():\n    return 1\n"
+    assert long_functions(source, 80) == {"A.f": 82}  # the def line and 81 statements
+    assert long_functions(source, 82) == {}
+
+
+def test_no_function_is_over_a_screen_and_the_step_fits_in_fifty_lines() -> None:
+    over = {
+        f"{module}:{name}": n
+        for module, path in MODULES.items()
+        for name, n in long_functions(path.read_text(), MAX_FUNCTION_LINES).items()
+    }
+    assert over == {}, f"split these into named parts: {over}"
+    loop = long_functions(MODULES["visionrl.orchestrate.loop"].read_text(), 0)
+    assert 0 < loop["Loop.step"] <= STEP_FUNCTION_LINES
