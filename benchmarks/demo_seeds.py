@@ -17,6 +17,7 @@ import datetime
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import time
@@ -37,6 +38,9 @@ def run_seed(seed: int, args: argparse.Namespace, base: Path, data: Path) -> dic
     from visionrl.orchestrate.loop import train
 
     out = Path(args.dir) / f"seed{seed}"
+    shutil.rmtree(
+        out, ignore_errors=True
+    )  # every seed starts fresh (a run refuses another run's checkpoints)
     cfg = demo_config(args.config, out, base, data, [f"train.seed={seed}", *args.overrides])
     target = cfg.train.target_accuracy or 0.9
     t0 = time.perf_counter()
