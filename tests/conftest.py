@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +18,11 @@ from visionrl.rollout.vllm_platform import set_cpu_env
 set_cpu_env(kv_cache_gib=1.0)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-# Fixtures that load a model or start a server (also a fake one). A test that uses one, directly or through
+# Fixtures that load a model, start a server (also a fake one) or start Ray. A test that uses one, directly or through
 # another fixture, is `slow`, so `make test-fast` runs only pure tests.
 SLOW_FIXTURES = frozenset(
     {"tiny_model", "tiny_qwen25_model", "pretrained_tiny_model", "models", "tiny"}
-    | {"fake_server", "adapter_api", "endpoint"}
+    | {"fake_server", "adapter_api", "endpoint", "shared_ray"}
 )
 
 
@@ -29,6 +30,126 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+
+
+class SharedRay:
+    """One local Ray for the tests of a module that ask for it (`shared_ray`), so that their runs skip Ray's start
+    and stop (`train` uses a Ray already running, as `ray_session` says: mode "existing"). Started by the first
+    such test, stopped at the module's end or before a test of the module that does not ask for it (that one
+    gets a Ray of its own from `train`, or none). After each test it must hold no live actor: the runs close
+    theirs, and those of a failed run die with their handles; any still alive after `LEFTOVER_WAIT_S` (a rank
+    stuck in a collective, a handle kept by a traceback) are stopped with the whole Ray, and the next test gets
+    a fresh one."""
+
+    LEFTOVER_WAIT_S = 15.0
+
+    def __init__(self) -> None:
+        self.temp_dir: str | None = None
+        self._before: set[int] = set()
+        self.restarts = 0  # fresh Rays because of live actors left after a test
+
+    @property
+    def modules(self) -> Path:
+        """A folder on the import path of this process and of every Ray worker, for a test's own modules (a
+        user reward): Ray's workers take PYTHONPATH from the environment Ray started in, not from a test's."""
+        assert self.temp_dir is not None, "the shared Ray is not running"
+        return Path(self.temp_dir) / "modules"
+
+    def start(self) -> None:
+        if self.temp_dir is not None:
+            return
+        import logging
+        import tempfile
+
+        import ray
+
+        from visionrl.orchestrate.actors import _descendants
+
+        assert not ray.is_initialized(), "a Ray this fixture did not start is running"
+        # a short path of its own: Ray's Unix sockets live under it, and paths over ~107 bytes fail
+        self.temp_dir = tempfile.mkdtemp(
+            prefix="vrl-ray-test-", dir="/tmp" if os.path.isdir("/tmp") else None
+        )
+        self._before = _descendants()
+        self.modules.mkdir()
+        sys.path.insert(0, str(self.modules))
+        path = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(self.modules), *([path] if path else [])])
+        try:  # Ray's processes, and the workers they start, keep this environment
+            ray.init(
+                num_cpus=2,
+                include_dashboard=False,
+                _temp_dir=self.temp_dir,
+                log_to_driver=True,
+                configure_logging=True,
+                logging_level=logging.WARNING,
+            )
+        finally:
+            if path is None:
+                del os.environ["PYTHONPATH"]
+            else:
+                os.environ["PYTHONPATH"] = path
+
+    def stop(self) -> None:
+        """As `ray_session` ends an embedded Ray: shut down, its processes waited for, its temp dir removed."""
+        if self.temp_dir is None:
+            return
+        import shutil
+
+        import ray
+
+        from visionrl.orchestrate.actors import RAY_EXIT_WAIT_S, _descendants, _wait_gone
+
+        started = _descendants() - self._before
+        ray.shutdown()
+        _wait_gone(started, RAY_EXIT_WAIT_S)
+        sys.path.remove(str(self.modules))
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+        self.temp_dir = None
+
+    def live_actors(self) -> list[str]:
+        from ray._private import state
+
+        return [actor_id for actor_id, a in state.actors().items() if a["State"] != "DEAD"]
+
+    def after_test(self) -> None:
+        """No actor of this test may reach the next: wait for the last ones to go, else start over."""
+        import gc
+        import time
+
+        if self.temp_dir is None:
+            return
+        gc.collect()  # handles in reference cycles (a failed run's traceback) go now, and their actors with them
+        deadline = time.monotonic() + self.LEFTOVER_WAIT_S
+        while self.live_actors() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if self.live_actors():
+            self.restarts += 1
+            self.stop()
+
+
+_SHARED_RAY = SharedRay()
+
+
+@pytest.fixture(scope="module")
+def shared_ray() -> Iterator[SharedRay]:
+    """A Ray shared by the tests of this module that ask for it (`SharedRay`); torn down at the module's end."""
+    _SHARED_RAY.start()
+    yield _SHARED_RAY
+    _SHARED_RAY.stop()
+
+
+@pytest.fixture(autouse=True)
+def _ray_of_each_test(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test that asks for `shared_ray` runs on it (started again if a test before it stopped it); any other
+    test runs with no Ray of the fixture's left running, so `train` starts and stops its own as in a real run."""
+    if "shared_ray" in request.fixturenames:
+        _SHARED_RAY.start()
+        yield
+        _SHARED_RAY.after_test()
+    else:
+        _SHARED_RAY.stop()
+        yield
 
 
 @pytest.fixture(scope="session")

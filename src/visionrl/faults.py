@@ -1,10 +1,11 @@
 """Fault injection, for the tests of failure handling: `VISIONRL_FAULTS=name[,name]` in a run's environment.
 
-Ray workers inherit the environment of the process that starts Ray, so a test sets the variable before the run
-and the fault happens inside the actors, where real faults happen. Unset, nothing here changes behaviour.
-Faults marked "once" fire a single time per run, so that the actor restarted after them works: they record
-that they fired in the directory `VISIONRL_FAULTS_DIR` (required for them), which every process of the run
-sees.
+A test sets the variable in the driver before the run; the run starts its actors with the driver's fault
+variables (`actor_env`, as their Ray runtime environment), so the fault happens inside the actors, where real
+faults happen, also on a Ray that was started before the variable was set (one shared by several runs).
+Unset, nothing here changes behaviour. Faults marked "once" fire a single time per run, so that the actor
+restarted after them works: they record that they fired in the directory `VISIONRL_FAULTS_DIR` (required for
+them), which every process of the run sees.
 """
 
 from __future__ import annotations
@@ -27,6 +28,12 @@ FAULTS = {
     "nonfinite_loss": "every learner update computes a NaN loss (and so NaN gradients), as a diverged run does",
 }
 AT_CALL = 2  # the faulty actors misbehave on this call of theirs (the first one shows the run was healthy)
+ENV_VARS = ("VISIONRL_FAULTS", "VISIONRL_FAULTS_DIR")
+
+
+def actor_env() -> dict[str, str]:
+    """This process's fault variables, for the environment of the actors it starts (empty when none is set)."""
+    return {name: os.environ[name] for name in ENV_VARS if name in os.environ}
 
 
 def active(name: str) -> bool:

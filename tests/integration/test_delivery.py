@@ -35,7 +35,8 @@ def _cfg(model: Path, data: Path, out: Path, engine: str, **over: dict) -> JobCo
 
 @pytest.fixture
 def fault(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Set VISIONRL_FAULTS for the run (Ray's workers inherit it), and restore the environment after."""
+    """Set VISIONRL_FAULTS for the run (its actors get it, also on a shared Ray), and restore the environment
+    after."""
     old = os.environ.get("VISIONRL_FAULTS")
     os.environ["VISIONRL_FAULTS"] = request.param
     yield request.param
@@ -48,7 +49,7 @@ def fault(request: pytest.FixtureRequest) -> Iterator[str]:
 @pytest.mark.parametrize("fault", ["ignore_adapters"], indirect=True)
 @pytest.mark.parametrize("engine", ["vllm", "hf"])
 def test_an_engine_that_ignores_adapters_stops_the_run_at_start(
-    tiny_model: Path, color_data: Path, tmp_path: Path, fault: str, engine: str
+    tiny_model: Path, color_data: Path, tmp_path: Path, shared_ray, fault: str, engine: str
 ) -> None:
     from visionrl.orchestrate.loop import train
 
@@ -60,7 +61,7 @@ def test_an_engine_that_ignores_adapters_stops_the_run_at_start(
 
 @pytest.mark.parametrize("fault", ["drop_adapter_syncs"], indirect=True)
 def test_silently_dropped_syncs_stop_the_run_and_say_why(
-    tiny_model: Path, color_data: Path, tmp_path: Path, fault: str
+    tiny_model: Path, color_data: Path, tmp_path: Path, shared_ray, fault: str
 ) -> None:
     """The engine loads version 1, then acknowledges versions 2, 3, ... without loading them. Steps 1-2 sample
     with the learner's version (mismatch about 1e-6 in float32); from step 3 on the engine serves version 1 while

@@ -5,7 +5,6 @@ the actor, the phase and the checkpoint to resume from; a reward past its timeou
 from __future__ import annotations
 
 import json
-import os
 import textwrap
 from pathlib import Path
 
@@ -37,7 +36,8 @@ def _cfg(model: Path, data_dir: Path, out: Path, **over: dict) -> JobConfig:
 
 @pytest.fixture
 def inject(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    """Arms faults for the run (the Ray workers it starts inherit the environment); restored after the test."""
+    """Arms faults for the run (its actors get them in their environment, also on a shared Ray); restored
+    after the test."""
     folder = tmp_path / "faults"
     folder.mkdir()
     monkeypatch.setenv("VISIONRL_FAULTS_DIR", str(folder))
@@ -63,7 +63,13 @@ def _history(run: Path) -> list[dict]:
     ],
 )
 def test_dead_or_hung_engines_and_reward_workers_are_restarted_and_the_step_retried(
-    tiny_model: Path, color_data: Path, tmp_path: Path, inject, faults: tuple[str, str], ray_over: dict
+    tiny_model: Path,
+    color_data: Path,
+    tmp_path: Path,
+    shared_ray,
+    inject,
+    faults: tuple[str, str],
+    ray_over: dict,
 ) -> None:
     """Engine 0 and reward worker 0 misbehave on their 2nd call (step 2): each is restarted, the engine gets the
     learner's adapter again (probed and verified), the call is retried, and the run ends normally with every
@@ -93,7 +99,7 @@ def test_dead_or_hung_engines_and_reward_workers_are_restarted_and_the_step_retr
 
 
 def test_an_engine_that_dies_while_collecting_the_next_batch_is_restarted_and_the_batch_collected(
-    tiny_model: Path, color_data: Path, tmp_path: Path, inject
+    tiny_model: Path, color_data: Path, tmp_path: Path, shared_ray, inject
 ) -> None:
     """rollout.async_steps=1: engine 0's 2nd generate call is step 2's batch, collected in the background while
     the learner trains step 1. The engine dies there; the collecting thread restarts it and gives it the
@@ -120,27 +126,8 @@ def test_an_engine_that_dies_while_collecting_the_next_batch_is_restarted_and_th
     assert "rollout engine 0 serves adapter version" in log and "again (verified)" in log
 
 
-def test_without_restarts_a_dead_engine_stops_the_run_naming_it(
-    tiny_model: Path, color_data: Path, tmp_path: Path, inject
-) -> None:
-    import ray
-
-    from visionrl.orchestrate.loop import train
-
-    inject("kill_engine")
-    with pytest.raises(RunError) as err:
-        train(_cfg(tiny_model, color_data, tmp_path / "run", ray={"max_actor_restarts": 0}))
-    text = str(err.value)
-    assert text.startswith("the rollout engine 0 died during rollout")
-    assert "(restarted 0 of ray.max_actor_restarts=0 times)" in text
-    assert "the newest checkpoint is" in text and "step_1" in text and "--resume" in text
-    assert "ray::" not in text.splitlines()[0]
-    assert not ray.is_initialized()
-    assert [h["step"] for h in _history(tmp_path / "run")] == [1]
-
-
 def test_restarts_used_before_a_resume_count_against_the_limit(
-    tiny_model: Path, color_data: Path, tmp_path: Path, inject, monkeypatch: pytest.MonkeyPatch
+    tiny_model: Path, color_data: Path, tmp_path: Path, shared_ray, inject, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """ray.max_actor_restarts bounds the whole run, resumes included. Run 1 (2 steps, limit 1): engine 0 dies on
     its 2nd generate call (step 2) and is restarted, 1 of 1 used, recorded in step 2's checkpoint. The resumed run
@@ -174,7 +161,7 @@ def test_restarts_used_before_a_resume_count_against_the_limit(
 
 @pytest.mark.parametrize("num_learners", [1, 2])
 def test_a_dead_learner_stops_the_run_with_the_checkpoint_hint(
-    tiny_model: Path, color_data: Path, tmp_path: Path, inject, num_learners: int
+    tiny_model: Path, color_data: Path, tmp_path: Path, shared_ray, inject, num_learners: int
 ) -> None:
     """The learner holds the optimizer state: it is never restarted, the run stops at once (restarts left).
     With 2 ranks, rank 0 dies and rank 1 fails in the next collective: the dead rank is the one named."""
@@ -188,53 +175,8 @@ def test_a_dead_learner_stops_the_run_with_the_checkpoint_hint(
     assert "step_1" in text and "--resume" in text
 
 
-USER_REWARDS = textwrap.dedent(
-    """
-    import os
-    import time
-
-    def slow_once(completion, answer, record):
-        try:  # the first call of the run, in whichever process or thread, takes 5 s; the others none
-            os.close(os.open(os.environ["SLOW_ONCE_MARKER"], os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        except FileExistsError:
-            return 1.0
-        time.sleep(5)
-        return 1.0
-    """
-)
-
-
-@pytest.mark.parametrize("isolation", ["thread", "process"])
-def test_a_reward_past_its_timeout_scores_zero_and_the_run_goes_on(
-    tiny_model: Path, color_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, isolation: str
-) -> None:
-    """One call of a reward runs 5 s past its 0.5 s timeout, in either runner chosen in the job file: it scores
-    0 and is counted, the other 7 of the step and all of the next score 1 (the thread runner used to hang when
-    the last call to settle was a timeout)."""
-    from visionrl.orchestrate.loop import train
-
-    (tmp_path / "slow_rewards.py").write_text(USER_REWARDS)
-    monkeypatch.syspath_prepend(str(tmp_path))  # here, for validation ...
-    monkeypatch.setenv(
-        "PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
-    )  # ... and Ray
-    monkeypatch.setenv("SLOW_ONCE_MARKER", str(tmp_path / "slow-once"))
-    cfg = _cfg(
-        tiny_model,
-        color_data,
-        tmp_path / "run",
-        train={"steps": 2},
-        ray={"reward_timeout_s": 0.5, "reward_isolation": isolation},
-    )
-    slow = cfg.rewards[0].model_copy(update={"name": "slow_rewards:slow_once", "kwargs": {}})
-    result = train(cfg.model_copy(update={"rewards": [slow]}))
-    assert [h["reward/timeouts"] for h in result.history] == [1.0, 0.0]
-    assert [h["reward/errors"] for h in result.history] == [0.0, 0.0]
-    assert [h["reward/mean"] for h in result.history] == [7 / 8, 1.0]  # 2 prompts x 4 completions a step
-
-
 def test_an_error_vllm_raises_is_shown_with_its_cause_and_the_traceback_logged(
-    tiny_model: Path, color_data: Path, tmp_path: Path
+    tiny_model: Path, color_data: Path, tmp_path: Path, shared_ray
 ) -> None:
     """vLLM refuses the engine's settings (a context longer than the model's): its own validation error reaches the
     user with the engine and the phase, not Ray's `ray::RolloutActor...` wrapper; the traceback is in the run's
@@ -253,3 +195,65 @@ def test_an_error_vllm_raises_is_shown_with_its_cause_and_the_traceback_logged(
     log = (tmp_path / "run" / "visionrl.log").read_text()
     assert "rollout engine 0 failed during" in log and "its traceback:" in log
     assert "\x1b[" not in log and "site-packages/vllm/" in log  # vLLM's own frames, Ray's colours stripped
+
+
+USER_REWARDS = textwrap.dedent(
+    """
+    import os
+    import time
+
+    def slow_once(completion, answer, record, marker=""):
+        try:  # the first call of the run, in whichever process or thread, takes 5 s; the others none
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return 1.0
+        time.sleep(5)
+        return 1.0
+    """
+)
+
+
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+def test_a_reward_past_its_timeout_scores_zero_and_the_run_goes_on(
+    tiny_model: Path, color_data: Path, tmp_path: Path, shared_ray, isolation: str
+) -> None:
+    """One call of a reward runs 5 s past its 0.5 s timeout, in either runner chosen in the job file: it scores
+    0 and is counted, the other 7 of the step and all of the next score 1 (the thread runner used to hang when
+    the last call to settle was a timeout)."""
+    from visionrl.orchestrate.loop import train
+
+    (shared_ray.modules / "slow_rewards.py").write_text(
+        USER_REWARDS
+    )  # importable here and in the Ray workers
+    cfg = _cfg(
+        tiny_model,
+        color_data,
+        tmp_path / "run",
+        train={"steps": 2},
+        ray={"reward_timeout_s": 0.5, "reward_isolation": isolation},
+    )
+    marker = {"marker": str(tmp_path / "slow-once")}
+    slow = cfg.rewards[0].model_copy(update={"name": "slow_rewards:slow_once", "kwargs": marker})
+    result = train(cfg.model_copy(update={"rewards": [slow]}))
+    assert [h["reward/timeouts"] for h in result.history] == [1.0, 0.0]
+    assert [h["reward/errors"] for h in result.history] == [0.0, 0.0]
+    assert [h["reward/mean"] for h in result.history] == [7 / 8, 1.0]  # 2 prompts x 4 completions a step
+
+
+def test_without_restarts_a_dead_engine_stops_the_run_naming_it(
+    tiny_model: Path, color_data: Path, tmp_path: Path, inject
+) -> None:
+    import ray
+
+    from visionrl.orchestrate.loop import train
+
+    inject("kill_engine")
+    with pytest.raises(RunError) as err:
+        train(_cfg(tiny_model, color_data, tmp_path / "run", ray={"max_actor_restarts": 0}))
+    text = str(err.value)
+    assert text.startswith("the rollout engine 0 died during rollout")
+    assert "(restarted 0 of ray.max_actor_restarts=0 times)" in text
+    assert "the newest checkpoint is" in text and "step_1" in text and "--resume" in text
+    assert "ray::" not in text.splitlines()[0]
+    assert not ray.is_initialized()
+    assert [h["step"] for h in _history(tmp_path / "run")] == [1]

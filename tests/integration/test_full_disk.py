@@ -6,7 +6,6 @@ run. Rows of docs/RELIABILITY.md."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import textwrap
 from pathlib import Path
@@ -31,7 +30,12 @@ def _steps(run: Path) -> list[int]:
 
 
 def test_a_full_disk_at_the_final_adapter_keeps_the_checkpoint_and_resume_exports_it(
-    tiny_model: Path, color_data: Path, tmp_path: Path, small_disk, capsys: pytest.CaptureFixture[str]
+    tiny_model: Path,
+    color_data: Path,
+    tmp_path: Path,
+    shared_ray,
+    small_disk,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     """`<run>/adapter` on a 4 KiB disk: the adapter config fits, its weights do not. The run trains and
     checkpoints both steps, then stops at the export with the storage error and exit 1, no manifest (nobody takes
@@ -91,16 +95,14 @@ def test_a_disk_filling_under_tensorboard_mid_run_stops_with_the_checkpoint_to_c
     tiny_model: Path,
     color_data: Path,
     tmp_path: Path,
+    shared_ray,
     small_disk,
-    monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """`<run>/tensorboard` on a 1 MiB disk that a reward fills during step 2: step 2's TensorBoard write ends the
     run with the storage error naming the folder, exit 1, step 1's checkpoint intact; with room again
     `--resume auto` runs step 2 again and TensorBoard shows each step once."""
-    (tmp_path / "disk_filler_vr.py").write_text(FILLER)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    (shared_ray.modules / "disk_filler_vr.py").write_text(FILLER)  # importable here and in the Ray workers
     run, disk = tmp_path / "run", small_disk(1 << 20, real=True)
     run.mkdir()
     (run / "tensorboard").symlink_to(disk)

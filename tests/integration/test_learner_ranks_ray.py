@@ -4,7 +4,6 @@ tiny model, HF engines (seeded, so a run's rollouts repeat exactly), gloo ranks 
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +21,9 @@ LENGTH_REWARD = "def length(completion, answer, record):\n    return float(len(c
 
 
 @pytest.fixture
-def length_reward(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+def length_reward(shared_ray) -> str:
     """The reward above as `rank_rewards:length`, importable here (validation) and in the Ray workers."""
-    folder = tmp_path / "rewards"
-    folder.mkdir()
-    (folder / "rank_rewards.py").write_text(LENGTH_REWARD)
-    monkeypatch.syspath_prepend(str(folder))
-    monkeypatch.setenv("PYTHONPATH", f"{folder}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    (shared_ray.modules / "rank_rewards.py").write_text(LENGTH_REWARD)
     return "rank_rewards:length"
 
 
@@ -121,28 +116,8 @@ def test_two_learner_ranks_train_the_adapter_one_learner_trains_and_resume(
         torch.testing.assert_close(loaded[name], weight, rtol=0, atol=0)
 
 
-def test_an_error_in_one_learner_ranks_setup_names_the_rank(
-    tiny_model: Path, color_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Rank 1 fails while rank 0 waits for it to join: the run stops at start-up, naming learner 1 and its error."""
-    import ray
-
-    from visionrl.orchestrate.loop import train
-
-    monkeypatch.setenv("VISIONRL_FAULTS", "fail_learner_setup")
-    with pytest.raises(RunError) as err:
-        train(_cfg(tiny_model, color_data, tmp_path / "run", ray={"num_learners": 2}))
-    first = str(err.value).splitlines()[0]
-    assert first == (
-        "the learner 1 failed during start-up: RuntimeError: injected fault fail_learner_setup: this learner "
-        "rank could not start"
-    )
-    assert "no checkpoint was written yet" in str(err.value)
-    assert not ray.is_initialized()
-
-
 def test_two_engines_take_whole_groups_and_serve_every_adapter_version(
-    tiny_model: Path, color_data: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tiny_model: Path, color_data: Path, tmp_path: Path, shared_ray, caplog: pytest.LogCaptureFixture
 ) -> None:
     """`Workers.rollout` gives engine 0 the first half of the prompts and engine 1 the rest, each prompt's n
     completions from one engine: the same groups as asking each engine for its half directly (same seeds). The
@@ -189,6 +164,26 @@ def test_two_engines_take_whole_groups_and_serve_every_adapter_version(
         "running: learner 0 {'node': "
     ), line
     assert "; engine 0 {'node': " in line and "; engine 1 {'node': " in line and "'gpus': []" in line
+
+
+def test_an_error_in_one_learner_ranks_setup_names_the_rank(
+    tiny_model: Path, color_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 1 fails while rank 0 waits for it to join: the run stops at start-up, naming learner 1 and its error."""
+    import ray
+
+    from visionrl.orchestrate.loop import train
+
+    monkeypatch.setenv("VISIONRL_FAULTS", "fail_learner_setup")
+    with pytest.raises(RunError) as err:
+        train(_cfg(tiny_model, color_data, tmp_path / "run", ray={"num_learners": 2}))
+    first = str(err.value).splitlines()[0]
+    assert first == (
+        "the learner 1 failed during start-up: RuntimeError: injected fault fail_learner_setup: this learner "
+        "rank could not start"
+    )
+    assert "no checkpoint was written yet" in str(err.value)
+    assert not ray.is_initialized()
 
 
 def test_the_payload_of_any_rank_holds_the_adapter_files_peft_reads(

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 
 import pytest
@@ -25,13 +24,13 @@ def _steps(run: Path) -> list[dict]:
 
 
 def test_nonfinite_updates_are_never_applied_and_the_run_ends_non_zero(
-    tiny_model: Path, color_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+    tiny_model: Path, color_data: Path, tmp_path: Path, shared_ray, monkeypatch: pytest.MonkeyPatch, capsys
 ) -> None:
     """Every update NaN (fault `nonfinite_loss`, inside the learner actor): with `skip` each is counted in
     faults/skipped_updates and not applied, the checkpoints hold the untouched initial adapter, and since no
     update was ever applied the run exits 1 with the first errors and exports nothing. With `stop` the first
     NaN ends the run, before any checkpoint."""
-    monkeypatch.setenv("VISIONRL_FAULTS", "nonfinite_loss")  # Ray workers inherit it
+    monkeypatch.setenv("VISIONRL_FAULTS", "nonfinite_loss")  # the run's actors get it (faults.actor_env)
     run = tmp_path / "skip"
     cfg = small_job(tiny_model, color_data, run, train={"steps": 2, "max_consecutive_skips": 3})
     assert main(["train", write_job(cfg, tmp_path / "skip.yaml")]) == 1
@@ -61,18 +60,49 @@ def test_nonfinite_updates_are_never_applied_and_the_run_ends_non_zero(
     assert latest_checkpoint(stopped) is None
 
 
+def test_torn_history_is_dropped_on_resume_and_tensorboard_has_no_duplicate_steps(
+    tiny_model: Path, color_data: Path, tmp_path: Path, shared_ray, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A run killed after logging step 3 but before its checkpoint, in the middle of appending step 4's line:
+    `--resume` drops the torn line (and says so), re-runs steps 3 and 4, and TensorBoard's own reader shows
+    every step once, with the new values."""
+    from visionrl.orchestrate.loop import train
+
+    run = tmp_path / "run"
+    train(small_job(tiny_model, color_data, run, train={"steps": 3}, logging={"save_every": 2}))
+    load_checkpoint(run / "checkpoints" / "step_3")  # the final save of step 3: removed below, as if killed
+    import shutil
+
+    shutil.rmtree(run / "checkpoints" / "step_3")
+    with (run / "history.jsonl").open("a") as f:
+        f.write('{"step": 4, "reward/me')  # torn: no newline, half a record
+    first = read_scalars(run / "tensorboard")["reward/mean"]
+    assert [s for s, _ in first] == [1, 2, 3]
+    with caplog.at_level(logging.WARNING, logger="visionrl.history"):
+        resumed = train(
+            small_job(tiny_model, color_data, run, train={"steps": 4}, logging={"save_every": 2}), resume=True
+        )
+    assert "dropped its torn last line 4" in caplog.text
+    assert [h["step"] for h in resumed.history] == [3, 4]
+    assert [s["step"] for s in _steps(run)] == [1, 2, 3, 4]
+    scalars = read_scalars(run / "tensorboard")
+    assert [s for s, _ in scalars["reward/mean"]] == [1, 2, 3, 4]
+    assert scalars["reward/mean"][2][1] == pytest.approx(
+        resumed.history[0]["reward/mean"]
+    )  # the re-run's value
+    assert scalars["reward/mean"][:2] == first[:2]
+
+
 def test_a_reward_failing_on_every_sample_stops_the_run_with_its_error(
-    tiny_model: Path, color_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_model: Path, color_data: Path, tmp_path: Path, shared_ray
 ) -> None:
     """A user reward that raises on every call: after train.max_consecutive_skips such steps the run stops with
     the reward's own exception message (before: it trained on zeros and exited 0)."""
     from visionrl.orchestrate.loop import train
 
-    (tmp_path / "broken_reward_vr.py").write_text(
+    (shared_ray.modules / "broken_reward_vr.py").write_text(  # importable here and in the Ray workers
         "def score(completion, answer, record):\n    raise KeyError('field bbox missing in record')\n"
     )
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     cfg = small_job(tiny_model, color_data, tmp_path / "run", rewards=[{"name": "broken_reward_vr:score"}],
                train={"steps": 5, "max_consecutive_skips": 2})  # fmt: skip
     with pytest.raises(RunError) as err:
@@ -116,36 +146,3 @@ def test_a_failed_evaluation_still_checkpoints_its_step_and_cleans_up(
     assert load_checkpoint(latest_checkpoint(run)).step == 2
     assert [s["step"] for s in _steps(run)] == [1, 2]
     assert set(scratch_root().glob(f"{PREFIX}*")) - before == set()
-
-
-def test_torn_history_is_dropped_on_resume_and_tensorboard_has_no_duplicate_steps(
-    tiny_model: Path, color_data: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    """A run killed after logging step 3 but before its checkpoint, in the middle of appending step 4's line:
-    `--resume` drops the torn line (and says so), re-runs steps 3 and 4, and TensorBoard's own reader shows
-    every step once, with the new values."""
-    from visionrl.orchestrate.loop import train
-
-    run = tmp_path / "run"
-    train(small_job(tiny_model, color_data, run, train={"steps": 3}, logging={"save_every": 2}))
-    load_checkpoint(run / "checkpoints" / "step_3")  # the final save of step 3: removed below, as if killed
-    import shutil
-
-    shutil.rmtree(run / "checkpoints" / "step_3")
-    with (run / "history.jsonl").open("a") as f:
-        f.write('{"step": 4, "reward/me')  # torn: no newline, half a record
-    first = read_scalars(run / "tensorboard")["reward/mean"]
-    assert [s for s, _ in first] == [1, 2, 3]
-    with caplog.at_level(logging.WARNING, logger="visionrl.history"):
-        resumed = train(
-            small_job(tiny_model, color_data, run, train={"steps": 4}, logging={"save_every": 2}), resume=True
-        )
-    assert "dropped its torn last line 4" in caplog.text
-    assert [h["step"] for h in resumed.history] == [3, 4]
-    assert [s["step"] for s in _steps(run)] == [1, 2, 3, 4]
-    scalars = read_scalars(run / "tensorboard")
-    assert [s for s, _ in scalars["reward/mean"]] == [1, 2, 3, 4]
-    assert scalars["reward/mean"][2][1] == pytest.approx(
-        resumed.history[0]["reward/mean"]
-    )  # the re-run's value
-    assert scalars["reward/mean"][:2] == first[:2]

@@ -25,7 +25,7 @@ from visionrl.config import JobConfig, RayConfig
 from visionrl.config_placement import PlacementPlan
 from visionrl.data.images import ImageBudget
 from visionrl.errors import out_of_memory
-from visionrl.orchestrate.remote import ENGINE, LEARNER, REWARD, Call, gather
+from visionrl.orchestrate.remote import ENGINE, LEARNER, REWARD, Call, gather, kill_actors
 from visionrl.rewards import RewardSpec, build_reward_fn
 from visionrl.rollout.factory import make_engine
 from visionrl.rollout.scratch import process_alive
@@ -305,7 +305,8 @@ def _start_engine(cfg: JobConfig, index: int, forbidden: list[int], opts: dict[s
 
 
 def _start_reward_worker(cfg: JobConfig, index: int) -> Any:
-    opts = {"num_cpus": 0, "max_restarts": cfg.ray.max_actor_restarts}
+    opts: dict[str, Any] = {"num_cpus": 0, "max_restarts": cfg.ray.max_actor_restarts}
+    _with_fault_env([opts])
     return RewardActor.options(**opts).remote(reward_specs(cfg), cfg.ray, index)  # type: ignore[attr-defined]
 
 
@@ -335,7 +336,19 @@ def _scheduling(cfg: JobConfig, plan: PlacementPlan) -> tuple[list[dict], list[d
         # fragment. Learner only: vLLM's sleep mode refuses them in the engine's process.
         for opts in learner_opts:
             opts["runtime_env"] = {"env_vars": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}}
+    _with_fault_env(learner_opts + engine_opts)
     return learner_opts, engine_opts
+
+
+def _with_fault_env(options: list[dict[str, Any]]) -> None:
+    """Faults armed in the driver (visionrl.faults) go to every actor's environment: a Ray started before they
+    were armed (a cluster, or one Ray for several runs) would not pass them on otherwise."""
+    env = faults.actor_env()
+    if not env:
+        return
+    for opts in options:
+        runtime = opts.setdefault("runtime_env", {})
+        runtime["env_vars"] = {**runtime.get("env_vars", {}), **env}
 
 
 def _spread(options: list[dict[str, Any]]) -> None:
@@ -363,19 +376,27 @@ def start_actors(cfg: JobConfig) -> tuple[list[Any], list[Any], list[Any]]:
     learner_opts, engine_opts = _scheduling(cfg, plan)
     world = len(learner_opts)
     learners = [LearnerActor.options(**o).remote(cfg, i, world) for i, o in enumerate(learner_opts)]  # type: ignore[attr-defined]
+    engines: list[Any] = []
+    rewards: list[Any] = []
     timeout, key = r.startup_timeout_s, "ray.startup_timeout_s"
-    address = gather([Call(learners[0].address.remote(), LEARNER, 0)], "start-up", timeout, key, True)[0]
-    setups = [Call(a.setup.remote(address), LEARNER, i) for i, a in enumerate(learners)]  # all join at once
-    forbidden = gather(setups, "start-up", timeout, key, interruptible=True)[0]
-    engines = [_start_engine(cfg, i, forbidden, opts) for i, opts in enumerate(engine_opts)]
-    rewards = [_start_reward_worker(cfg, i) for i in range(r.num_reward_workers)]
-    # Fail early, with the actor's own error, if any of them cannot start; say where each one runs.
-    calls = [
-        *[Call(a.placement.remote(), LEARNER, i) for i, a in enumerate(learners)],
-        *[Call(e.placement.remote(), ENGINE, i) for i, e in enumerate(engines)],
-        *[Call(w.placement.remote(), REWARD, i) for i, w in enumerate(rewards)],
-    ]
-    places = gather(calls, "start-up", timeout, key, interruptible=True)
+    try:
+        address = gather([Call(learners[0].address.remote(), LEARNER, 0)], "start-up", timeout, key, True)[0]
+        setups = [
+            Call(a.setup.remote(address), LEARNER, i) for i, a in enumerate(learners)
+        ]  # all join at once
+        forbidden = gather(setups, "start-up", timeout, key, interruptible=True)[0]
+        engines = [_start_engine(cfg, i, forbidden, opts) for i, opts in enumerate(engine_opts)]
+        rewards = [_start_reward_worker(cfg, i) for i in range(r.num_reward_workers)]
+        # Fail early, with the actor's own error, if any of them cannot start; say where each one runs.
+        calls = [
+            *[Call(a.placement.remote(), LEARNER, i) for i, a in enumerate(learners)],
+            *[Call(e.placement.remote(), ENGINE, i) for i, e in enumerate(engines)],
+            *[Call(w.placement.remote(), REWARD, i) for i, w in enumerate(rewards)],
+        ]
+        places = gather(calls, "start-up", timeout, key, interruptible=True)
+    except BaseException:
+        kill_actors([*learners, *engines, *rewards])  # none of them is left on a Ray that outlives the run
+        raise
     logger.info(
         "placement %s; running: %s",
         plan.describe(),

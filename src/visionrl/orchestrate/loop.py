@@ -105,30 +105,54 @@ def train(cfg: JobConfig, resume: ResumeMode | None = None) -> TrainResult:
 def _train(cfg: JobConfig, run: RunDir, ckpt: Path | None, prompts_in: PromptStream) -> TrainResult:
     # rollout.async_steps: the next step's batch, collected while the learner trains (orchestrate.pipeline)
     with MetricsWriter(run.tensorboard) as tb, Prefetch[Collected]() as prefetch:
-        workers, resumed = _start(cfg, run, ckpt, prompts_in, tb)
-        loop = Loop(cfg, run, prompts_in, workers, tb, prefetch, resumed)
-        for step in range(resumed + 1, cfg.train.steps + 1):
-            if loop.step(step):
-                break  # two evaluations in a row at the target
-        return loop.finish()
+        workers = _start_workers(cfg, run, prompts_in)
+        try:
+            resumed = _resume(cfg, run, ckpt, prompts_in, tb, workers)
+            loop = Loop(cfg, run, prompts_in, workers, tb, prefetch, resumed)
+            for step in range(resumed + 1, cfg.train.steps + 1):
+                if loop.step(step):
+                    break  # two evaluations in a row at the target
+            return loop.finish()
+        except BaseException:
+            # a failed or stopped run leaves no actor behind, also on a Ray that outlives it (attached, or
+            # already running in this process), where a handle kept by a traceback would keep them alive
+            workers.kill()
+            raise
 
 
-def _start(
-    cfg: JobConfig, run: RunDir, ckpt: Path | None, prompts_in: PromptStream, tb: MetricsWriter
-) -> tuple[Workers, int]:
-    """The actors started, the adapter seen to reach the engines, and the run resumed from `ckpt` if given;
-    returns the step resumed from (0: a fresh run)."""
+def _start_workers(cfg: JobConfig, run: RunDir, prompts_in: PromptStream) -> Workers:
+    """The actors started (`start_actors` stops those it started if one fails), and the adapter seen to reach
+    the engines."""
     try:
         workers = Workers(*start_actors(cfg), cfg)
-        # a non-zero adapter must change the engines' output
-        workers.verify_delivery(prompts_in.probe_prompts())
     except Preempted as early_stop:  # stopped while starting: nothing new to save
         raise stopped(early_stop, run.root, None) from None
+    try:
+        workers.verify_delivery(
+            prompts_in.probe_prompts()
+        )  # a non-zero adapter must change the engines' output
+    except BaseException as err:
+        workers.kill()
+        if isinstance(err, Preempted):
+            raise stopped(err, run.root, None) from None
+        raise
+    return workers
+
+
+def _resume(
+    cfg: JobConfig,
+    run: RunDir,
+    ckpt: Path | None,
+    prompts_in: PromptStream,
+    tb: MetricsWriter,
+    workers: Workers,
+) -> int:
+    """The run resumed from `ckpt` if given; returns the step resumed from (0: a fresh run)."""
     warn_about_async_steps(cfg)
     resumed = workers.resume(ckpt, prompts_in) if ckpt else 0
     history_file.trim(run.history, resumed)  # steps after the checkpoint will be run again
     tb.purge_from(resumed + 1)  # ... and shown once in TensorBoard (a fresh run: none of an earlier one)
-    return workers, resumed
+    return resumed
 
 
 class Loop:

@@ -9,6 +9,7 @@ gives up at once with `Preempted`.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from dataclasses import dataclass
@@ -163,3 +164,12 @@ def gather(
             except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as err:
                 raise ActorFailed(calls[i].role, calls[i].index, phase, err) from err
     return results
+
+
+def kill_actors(actors: list[Any]) -> None:
+    """Stop `actors` at once (no restart), e.g. those of a failed run: on a Ray that outlives the run (attached,
+    or already running in this process) they would otherwise live on while anything holds their handles, such
+    as a logged traceback."""
+    for actor in actors:
+        with contextlib.suppress(Exception):  # one already gone
+            ray.kill(actor)

@@ -33,6 +33,7 @@ from visionrl.orchestrate.remote import (
     ActorProblem,
     Call,
     gather,
+    kill_actors,
 )
 from visionrl.rewards import CombinedReward, RewardResult, build_reward_fn
 from visionrl.rewards.merge import merge_results
@@ -348,8 +349,11 @@ class Workers:
             gather(calls, "shutdown", 60.0, "(shutdown)")
         except ActorProblem as problem:  # the run's work is saved: a failing close only costs a warning
             logger.warning("%s", problem)
-        for actor in [*self.learners.actors, *self.engines, *self.rewards]:
-            ray.kill(actor)
+        self.kill()
+
+    def kill(self) -> None:
+        """Stop every actor of the run at once (the end of `close`, or a failed run)."""
+        kill_actors([*self.learners.actors, *self.engines, *self.rewards])
 
 
 def _reward_record(p: PromptItem) -> dict[str, Any]:

@@ -1,0 +1,38 @@
+"""Faults armed in the driver reach the actors through their Ray runtime environment (`faults.actor_env`), so a
+Ray started before they were armed (a cluster, one Ray shared by several runs) runs them too."""
+
+from __future__ import annotations
+
+import pytest
+
+from visionrl import faults
+from visionrl.orchestrate.actors import _with_fault_env
+
+
+def test_only_the_armed_fault_variables_are_passed_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VISIONRL_FAULTS", raising=False)
+    monkeypatch.delenv("VISIONRL_FAULTS_DIR", raising=False)
+    assert faults.actor_env() == {}
+    options = [{"num_cpus": 0}]
+    _with_fault_env(options)
+    assert options == [{"num_cpus": 0}]  # nothing armed: the actors' options are unchanged
+
+    monkeypatch.setenv("VISIONRL_FAULTS", "kill_engine")
+    monkeypatch.setenv("VISIONRL_FAULTS_DIR", "/tmp/fired")
+    monkeypatch.setenv("VISIONRL_OTHER", "not a fault")
+    assert faults.actor_env() == {"VISIONRL_FAULTS": "kill_engine", "VISIONRL_FAULTS_DIR": "/tmp/fired"}
+
+
+def test_the_fault_variables_join_an_actors_own_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VISIONRL_FAULTS", "kill_learner")
+    monkeypatch.delenv("VISIONRL_FAULTS_DIR", raising=False)
+    gpu_learner = {
+        "num_gpus": 1,
+        "runtime_env": {"env_vars": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}},
+    }
+    engine: dict = {"num_gpus": 0}
+    _with_fault_env([gpu_learner, engine])
+    assert gpu_learner["runtime_env"] == {
+        "env_vars": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "VISIONRL_FAULTS": "kill_learner"}
+    }
+    assert engine["runtime_env"] == {"env_vars": {"VISIONRL_FAULTS": "kill_learner"}}
