@@ -33,11 +33,11 @@ def _cfg(model: Path, data_dir: Path, out: Path, **over: dict) -> JobConfig:
 
 
 def test_async_steps_train_one_version_behind_and_the_guard_compares_the_sampling_version(
-    pretrained_tiny_model: Path, color_data: Path, tmp_path: Path
+    pretrained_tiny_model: Path, color_data: Path, tmp_path: Path, shared_ray
 ) -> None:
     from visionrl.orchestrate.loop import train
 
-    result = train(_cfg(pretrained_tiny_model, color_data, tmp_path / "run"))
+    result = train(_cfg(pretrained_tiny_model, color_data, tmp_path / "run", rollout={"prompts_per_step": 4}))
     h = result.history
     assert [x["step"] for x in h] == [1, 2, 3, 4]
     # Step 1's batch is sampled before any update (version 0, learner at 0); every later batch is sampled
@@ -63,31 +63,31 @@ def _same(a: dict, b: dict) -> bool:
 
 
 def test_a_checkpoint_between_async_steps_resumes_exactly(
-    pretrained_tiny_model: Path, color_data: Path, tmp_path: Path
+    pretrained_tiny_model: Path, color_data: Path, tmp_path: Path, shared_ray
 ) -> None:
-    """A checkpoint at step 3 (logging.save_every): the run resumed from it gives steps 4-6 of the uninterrupted
+    """A checkpoint at step 2 (logging.save_every): the run resumed from it gives steps 3-4 of the uninterrupted
     run, number for number: the data position and the adapter the next batch is sampled with are those of the
     uninterrupted run (orchestrate.pipeline)."""
     from visionrl.orchestrate.loop import train
 
-    over = {"rollout": {"engine": "hf"}, "logging": {"save_every": 3}}
+    over = {"rollout": {"engine": "hf", "prompts_per_step": 4}, "logging": {"save_every": 2}}
     straight = train(
-        _cfg(pretrained_tiny_model, color_data, tmp_path / "a", train={"steps": 6}, **over)
+        _cfg(pretrained_tiny_model, color_data, tmp_path / "a", train={"steps": 4}, **over)
     ).history
-    # step 3 is checkpointed: it starts no prefetch, so step 4 is sampled fresh (staleness 0), the others 1
-    assert [x["rollout/staleness"] for x in straight] == [0.0, 1.0, 1.0, 0.0, 1.0, 1.0]
-    first = train(_cfg(pretrained_tiny_model, color_data, tmp_path / "b", train={"steps": 3}, **over)).history
+    # step 2 is checkpointed: it starts no prefetch, so step 3 is sampled fresh (staleness 0), step 4 is stale
+    assert [x["rollout/staleness"] for x in straight] == [0.0, 1.0, 0.0, 1.0]
+    first = train(_cfg(pretrained_tiny_model, color_data, tmp_path / "b", train={"steps": 2}, **over)).history
     resumed = train(
-        _cfg(pretrained_tiny_model, color_data, tmp_path / "b", train={"steps": 6}, **over), resume=True
+        _cfg(pretrained_tiny_model, color_data, tmp_path / "b", train={"steps": 4}, **over), resume=True
     )
-    assert [x["step"] for x in resumed.history] == [4, 5, 6]
+    assert [x["step"] for x in resumed.history] == [3, 4]
     for a, b in zip(straight, first + resumed.history, strict=True):
         assert _same(a, b), (a, b)
     assert len({x["reward/mean"] for x in straight}) > 1  # the steps differ: the comparison can fail
 
 
 def test_async_steps_with_the_engines_old_policy_run_no_old_pass_and_no_correction(
-    pretrained_tiny_model: Path, color_data: Path, tmp_path: Path
+    pretrained_tiny_model: Path, color_data: Path, tmp_path: Path, shared_ray
 ) -> None:
     """The recommended one-step-off setting (benchmarks/NOTES-async.md): the ratio is against the engine's
     sampling log-probs, so the learner runs no old-log-prob pass (2 updates per batch) and no correction
@@ -95,7 +95,7 @@ def test_async_steps_with_the_engines_old_policy_run_no_old_pass_and_no_correcti
     from visionrl.orchestrate.loop import train
 
     over = {
-        "rollout": {"engine": "hf"},
+        "rollout": {"engine": "hf", "prompts_per_step": 4},
         "algorithm": {"updates_per_batch": 2, "rollout_correction": "off", "old_logprobs": "engine"},
         "train": {"steps": 3},
     }
@@ -110,7 +110,7 @@ def test_async_steps_with_the_engines_old_policy_run_no_old_pass_and_no_correcti
 
 
 def test_dynamic_sampling_rounds_run_in_the_background_with_one_version(
-    pretrained_tiny_model: Path, color_data: Path, tmp_path: Path
+    pretrained_tiny_model: Path, color_data: Path, tmp_path: Path, shared_ray
 ) -> None:
     """DAPO's dynamic sampling inside the prefetch: every extra round of a step's batch is sampled in the
     background thread with the same (stale) adapter, so the batch stays one version behind, the guard scores
@@ -136,14 +136,16 @@ def test_dynamic_sampling_rounds_run_in_the_background_with_one_version(
 # 0.41 / 0.50 / 0.50 / 0.48 / 0.50 at steps 20-100 (chance 0.25), mean reward 0.21 -> 0.52. The async run of that
 # day: 0.42 / 0.50 / 0.50 / 0.52 / 0.62, reward 0.21 -> 0.60. Evaluations swing by about 0.1 (64 records).
 ACC_SYNC_FINAL = 0.50
+ACC_TARGET = ACC_SYNC_FINAL - 0.15  # what the async run must reach: it stops after two evaluations at it
 
 
 def test_the_colour_task_is_learned_with_async_rollouts(
-    pretrained_tiny_model: Path, color_data: Path, tmp_path: Path
+    pretrained_tiny_model: Path, color_data: Path, tmp_path: Path, shared_ray
 ) -> None:
     """The demo's task and settings (32 prompts x 8, vLLM engine, LoRA on LM + merger + lm_head) with
     rollout.async_steps=1: from the chance-level base the held-out accuracy rises, to within 0.15 of what the
-    synchronous run reaches in the same steps."""
+    synchronous run reaches in 100 steps, at two evaluations in a row (the run stops there, train.target_accuracy;
+    measured, it got there by step 40)."""
     from visionrl.orchestrate.loop import train
 
     cfg = _cfg(
@@ -153,7 +155,13 @@ def test_the_colour_task_is_learned_with_async_rollouts(
         data={"eval": str(color_data / "eval.jsonl"), "max_eval_samples": 64},
         rollout={"prompts_per_step": 32},
         # the demo's schedule: with a constant lr 3e-3 the stale run collapsed to one colour after 80 steps
-        train={"steps": 100, "lr_schedule": "cosine", "warmup_steps": 5, "min_lr_ratio": 0.1},
+        train={
+            "steps": 100,
+            "lr_schedule": "cosine",
+            "warmup_steps": 5,
+            "min_lr_ratio": 0.1,
+            "target_accuracy": ACC_TARGET,
+        },
         logging={"eval_every": 20},
     )
     history = train(cfg).history
@@ -162,5 +170,7 @@ def test_the_colour_task_is_learned_with_async_rollouts(
     accuracy = [h["eval/accuracy"] for h in history if h.get("eval/accuracy") is not None]
     assert first < 0.35, f"the base should start near chance (0.25), got {first:.2f}"
     assert last > first + 0.1, f"mean reward did not rise: first 5 steps {first:.2f}, last 5 {last:.2f}"
-    assert accuracy[-1] >= ACC_SYNC_FINAL - 0.15, f"held-out accuracy every 20 steps: {accuracy}"
+    assert len(accuracy) >= 2 and min(accuracy[-2:]) >= ACC_TARGET, (
+        f"held-out accuracy every 20 steps: {accuracy}"
+    )
     assert all(h["rollout/staleness"] == 1.0 for h in history[1:-1])
