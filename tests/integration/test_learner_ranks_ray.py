@@ -56,7 +56,8 @@ def _adapter(run: Path) -> dict[str, torch.Tensor]:
 def test_two_learner_ranks_train_the_adapter_one_learner_trains_and_resume(
     tiny_model: Path, color_data: Path, tmp_path: Path, length_reward: str
 ) -> None:
-    """Same seed, same rollouts (2 seeded engines in every run): one step with 2 learner ranks, plain data
+    """Same seed, same rollouts (one seeded engine in every run; several engines: the test below and
+    tests/integration/test_multinode.py): one step with 2 learner ranks, plain data
     parallel and sharded with FSDP2 (`train.fsdp: on`, here on gloo), gives the adapter of one learner (float32,
     within 1e-5), and logs learner/ranks = 2. The sharded run resumes from its checkpoint to a second step; its
     exported adapter loads into the base model with peft."""
@@ -72,7 +73,6 @@ def test_two_learner_ranks_train_the_adapter_one_learner_trains_and_resume(
             tmp_path / name,
             length_reward,
             ray={"num_learners": learners},
-            rollout={"num_engines": 2},
             train={"fsdp": fsdp, "steps": steps},
         )
         return train(cfg, resume=resume)

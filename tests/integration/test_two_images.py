@@ -44,7 +44,8 @@ def test_grpo_learns_to_compare_two_images(same_color_base: Path, tmp_path: Path
         ],
     )
     result = train(cfg)
-    common = {"base": str(same_color_base), "data": str(data / "eval.jsonl"), "max_tokens": 2}
+    # the HF engine: the same greedy answers as vLLM (tests/integration/test_evaluate.py), without its start-up
+    common = {"base": str(same_color_base), "data": str(data / "eval.jsonl"), "max_tokens": 2, "engine": "hf"}
     base = evaluate_local(adapter=None, out=str(tmp_path / "base.json"), **common)
     final = evaluate_local(adapter=str(result.adapter_dir), out=str(tmp_path / "final.json"), **common)
     permuted = evaluate_local(
