@@ -73,6 +73,8 @@ SAMPLING_ROUNDS = "rollout/sampling_rounds"  # prompt batches sampled this step 
 SKIPPED_PROMPTS = "rollout/skipped_prompts"  # prompts the engine rejected this step (left out, not the batch)
 RESPONSE_TOKENS = "response/tokens"  # completion tokens generated this step
 LEARNER_MICRO_BATCHES = "learner/micro_batches"
+# FSDP: update passes a rank ran without sequences, so that every rank runs as many collectives as the busiest
+LEARNER_FILLER_PASSES = "learner/filler_passes"
 LEARNER_TOKENS = "learner/tokens"
 LEARNER_SEQUENCE_TOKENS = (
     "learner/sequence_tokens"  # prompt (image tokens included) + completion tokens trained on

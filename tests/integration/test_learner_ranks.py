@@ -45,10 +45,17 @@ def test_fsdp_ranks_train_the_same_adapter_as_one_plain_learner(
     rank_job: Callable[..., dict],
 ) -> None:
     raw = rank_job(tiny_model, color_data, lr=1e-4, gradient_checkpointing=True)
-    # Two steps with a checkpoint-state round trip between them; rank 1 of FSDP gets fewer micro-batches than
-    # rank 0 (token-balanced shards of 8 sequences), so its filler passes are exercised too.
+    # Filler passes with old and reference log-probs (2 updates, kl_coef > 0). Images at 128 x 128 make the prompts
+    # 29 tokens (16 image tokens); the second mini-batch's completions (tests/learner_rank.py) are 4, 2, 1, 3
+    # tokens. Token-balanced, rank 0 gets the 4 and the 1 (rows of 33 and 30 tokens: padded 2 x 33 = 66 > 64, two
+    # micro-batches), rank 1 the 3 and the 2 (2 x 32 = 64, one): rank 1 runs a filler. The first mini-batch
+    # (2, 1, 3, 2) fits one micro-batch on each rank.
+    raw["data"]["min_pixels"] = 128 * 128
+    raw["train"]["micro_batch_tokens"] = 64
+    # Two steps with a checkpoint-state round trip between them.
     one, m1 = run_learner_ranks(raw, 1, tmp_path / "one", steps=2)
     two, m2 = run_learner_ranks(raw, 2, tmp_path / "fsdp", fsdp=True, steps=2)
+    assert m1["learner/filler_passes"] == 0 and m2["learner/filler_passes"] > 0  # the case under test happened
     assert one.keys() == two.keys() and len(one) > 0
     for k in one:
         torch.testing.assert_close(two[k], one[k], rtol=0, atol=1e-6)

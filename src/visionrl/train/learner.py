@@ -372,6 +372,10 @@ class Learner:
         by the micro-batch's share of the mini-batch's tokens)."""
         dev = self.device
         lp, entropy = self._stats(mb)
+        if not mb.rows:  # a filler takes part in FSDP's collectives and in nothing else: no loss terms, no gathers
+            (lp.sum() * 0.0).backward()
+            acc[tags.LEARNER_FILLER_PASSES] += 1
+            return
         loss = micro_batch_loss(
             self.cfg.algorithm,
             lp,
@@ -384,9 +388,6 @@ class Learner:
             ref_lp=self._gather(ref, mb),
         )
         total = loss.total
-        if not mb.rows:  # a filler contributes nothing but its share of FSDP's collectives
-            (total * 0.0).backward()
-            return
         if faults.active("nonfinite_loss"):
             total = total * float("nan")  # what a diverged step produces: NaN loss, NaN gradients
         total.backward()

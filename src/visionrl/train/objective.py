@@ -32,7 +32,7 @@ def metric_keys(algo: AlgorithmConfig) -> list[str]:
     """What the learner sums over micro-batches and ranks: the loss terms, the per-token means, the count of
     micro-batches."""
     keys = [tags.LOSS_POLICY, tags.LOSS_KL, tags.LOSS_TOTAL, tags.CLIP_FRACTION, tags.APPROX_KL, tags.ENTROPY]
-    keys += [tags.LOGPROB_DIFF, tags.LEARNER_MICRO_BATCHES]
+    keys += [tags.LOGPROB_DIFF, tags.LEARNER_MICRO_BATCHES, tags.LEARNER_FILLER_PASSES]
     if algo.rollout_correction != "off":
         keys += [tags.CORRECTION_WEIGHT, tags.CORRECTION_CLIPPED, tags.MISMATCH_KL]
     return keys
