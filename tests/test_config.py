@@ -545,3 +545,16 @@ def test_async_rollouts_key_and_its_check() -> None:
             apply_overrides(MINIMAL, ["rollout.async_steps=1", "rollout.sleep_during_update=true"])
         )
     assert "set rollout.sleep_during_update=false" in str(err.value)
+
+
+def test_stale_batches_without_an_old_policy_that_sampled_them_are_refused() -> None:
+    stale = ["rollout.async_steps=1", "algorithm.old_logprobs=learner"]
+    # the clip centred on the current policy and no weight for the gap: refused, naming the three ways out
+    msg = config_error(MINIMAL, [*stale, "algorithm.rollout_correction=off"])
+    for fix in ("old_logprobs=engine", "rollout_correction=token", "rollout.async_steps=0"):
+        assert fix in msg
+    # each of the three ways out validates
+    assert config_from_dict(apply_overrides(MINIMAL, [*stale, "algorithm.rollout_correction=token"]))
+    engine = ["algorithm.old_logprobs=engine", "algorithm.rollout_correction=off"]
+    assert config_from_dict(apply_overrides(MINIMAL, ["rollout.async_steps=1", *engine]))
+    assert config_from_dict(apply_overrides(MINIMAL, ["algorithm.rollout_correction=off"]))

@@ -187,8 +187,11 @@ class RolloutConfig(Section):
         le=1,
         description="0: synchronous steps. 1: one-step-off rollouts: the engines generate (and the reward workers "
         "score) the next step's batch with the adapter they hold while the learner trains this step, so each "
-        "batch is at most one adapter version old (rollout/staleness); the rollout correction weights the "
-        "off-policy gap. Overlaps only where engines and learner do not share a device (split placement, CPUs).",
+        "batch is at most one adapter version old (rollout/staleness). What accounts for that gap is the old "
+        "policy: with algorithm.old_logprobs=engine (recommended) the ratio is taken against the sampling "
+        "policy itself; with old_logprobs=learner the clip is centred on the learner's current policy and only "
+        "the rollout correction weights the gap, so that pairing with rollout_correction=off is refused. "
+        "Overlaps only where engines and learner do not share a device (split placement, CPUs).",
     )
 
     @model_validator(mode="after")
@@ -360,6 +363,19 @@ class JobConfig(Section):
             raise ValueError(
                 f"algorithm.dual_clip applies to the ppo loss only, not to algorithm.loss={self.algorithm.loss}; "
                 "set algorithm.dual_clip=null"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def validate_stale_batches_have_an_old_policy(self) -> JobConfig:
+        a = self.algorithm
+        if self.rollout.async_steps and a.old_logprobs == "learner" and a.rollout_correction == "off":
+            raise ValueError(
+                f"rollout.async_steps={self.rollout.async_steps} trains batches sampled by the previous adapter "
+                "version, but algorithm.old_logprobs=learner centres the clip on the learner's current policy and "
+                "algorithm.rollout_correction=off leaves the gap to the sampling policy unweighted (such runs fell "
+                "back to chance on 3 of 3 seeds); set algorithm.old_logprobs=engine (the ratio is then taken "
+                "against the policy that sampled), or algorithm.rollout_correction=token, or rollout.async_steps=0"
             )
         return self
 
