@@ -83,6 +83,8 @@ LEARNER_OLD_LOGPROB_S = "learner/old_logprob_s"  # the no-grad pass for mini-bat
 LEARNER_REF_LOGPROB_S = "learner/ref_logprob_s"  # the no-grad reference (adapter off) pass, with kl_coef > 0
 LEARNER_RANKS = "learner/ranks"  # learner ranks the step was split over (ray.num_learners)
 LEARNER_PEAK_MEM = "learner/peak_mem_gib"  # the learner's torch allocator peak during the step (GPUs)
+# completions left out of the loss because they sampled a vision token (the logit bias should make it impossible)
+VISION_TOKENS_SAMPLED = "rollout/vision_tokens_sampled"
 TRUNCATED_MASKED = "response/truncated_masked"  # completions left out of the loss (algorithm.mask_truncated)
 OVERLONG_PENALIZED = "response/overlong_penalized"  # completions the overlong shaping penalised
 OVERLONG_PENALTY_MEAN = "reward/overlong_penalty_mean"  # mean shaping term added to the rewards

@@ -369,3 +369,26 @@ def test_compiled_decoder_layers_give_the_eager_gradient(tiny_model: Path, color
     for name, g in want.items():
         torch.testing.assert_close(got[name], g, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
     assert max(float(g.abs().max()) for g in want.values()) > 1e-3  # real gradients: the comparison can fail
+
+
+def test_a_completion_that_sampled_a_vision_token_is_left_out_not_the_step(
+    tiny_model: Path, color_data: Path
+) -> None:
+    learner = Learner(_cfg(tiny_model, color_data))
+    batch = _batch(learner, color_data)
+    pad = learner.processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    bad = dataclasses.replace(batch.sequences[1], completion_ids=[pad, *batch.sequences[1].completion_ids])
+    clean = TrainBatch(batch.prompts, [s for i, s in enumerate(batch.sequences) if i != 1])
+    twin = Learner(_cfg(tiny_model, color_data))
+    # In the forward an <|image_pad|> reads as a placeholder for image features that do not exist: it failed
+    # the whole step ("Image features and image tokens do not match"). Left out, the step trains on the other
+    # five completions exactly as a batch without it does.
+    m = learner.train_step(TrainBatch(batch.prompts, [*batch.sequences[:1], bad, *batch.sequences[2:]]))
+    m_clean = twin.train_step(clean)
+    assert m["rollout/vision_tokens_sampled"] == 1 and m_clean["rollout/vision_tokens_sampled"] == 0
+    assert m["learner/tokens"] == m_clean["learner/tokens"] == 13  # 2 + 4 + 2 + 3 + 2 tokens
+    assert m["loss/policy"] == pytest.approx(m_clean["loss/policy"], abs=1e-7)
+    # a batch of nothing but such completions: no update, the adapter keeps its version
+    only_bad = learner.train_step(TrainBatch(batch.prompts, [bad]))
+    assert only_bad["rollout/vision_tokens_sampled"] == 1 and only_bad["updates"] == 0
+    assert learner.version == 1

@@ -74,6 +74,13 @@ class MicroBatch:
     image_share: ImageShare | None = None  # set when rows share images (pixel_values holds each once)
 
 
+def without_tokens(seqs: list[Sequence], token_ids: set[int]) -> tuple[list[Sequence], int]:
+    """The sequences whose completions hold none of `token_ids`, and how many were left out. A sampled vision
+    token would be read as a placeholder for image features that do not exist, which fails the whole forward."""
+    kept = [s for s in seqs if token_ids.isdisjoint(s.completion_ids)]
+    return kept, len(seqs) - len(kept)
+
+
 def share_plan(grids: list[torch.Tensor], sources: list[int], merge: int) -> ImageShare | None:
     """The `ImageShare` for images whose grids are `grids` (one [n_i, 3] tensor per distinct prompt, in order)
     and where row-image block j copies distinct block `sources[j]`; None when nothing repeats."""

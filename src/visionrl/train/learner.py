@@ -37,7 +37,7 @@ from visionrl.models.loader import (
     lora_param_groups,
     vision_token_ids,
 )
-from visionrl.models.sequences import EncodedPrompt, MicroBatch, Sequence, collate
+from visionrl.models.sequences import EncodedPrompt, MicroBatch, Sequence, collate, without_tokens
 from visionrl.train import learner_state
 from visionrl.train.batching import NO_GRAD_BATCH_TOKENS, plan_micro_batches
 from visionrl.train.forward import SharedImages, compile_decoder_layers, completion_stats
@@ -191,7 +191,10 @@ class Learner:
         t0 = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        encoded, seqs = self.encode_prompts(batch.prompts), batch.sequences
+        seqs, vision = without_tokens(batch.sequences, set(self.forbidden.tolist()))
+        if not seqs:  # nothing left to train on: no update, the adapter version stays
+            return {tags.VISION_TOKENS_SAMPLED: float(vision), "updates": 0.0, tags.SKIPPED_UPDATES: 0.0}
+        encoded = self.encode_prompts(batch.prompts)
         minis, shards = self._plan_mini_batches(encoded, seqs)
         t1 = time.perf_counter()
         later = [r for rows in shards[1:] for r in rows]  # this rank's, of the mini-batches after the first
@@ -206,6 +209,7 @@ class Learner:
         # kept when this update makes a new version: the engines sample the next batch with this one
         before = snapshot(self._trainable(), self.version) if self.cfg.rollout.async_steps else None
         totals: dict[str, float] = {tags.SKIPPED_UPDATES: 0.0, tags.STALENESS: staleness(seqs, self.version)}
+        totals[tags.VISION_TOKENS_SAMPLED] = float(vision)
         n_updates, first = len(minis), {tags.LOGPROB_DIFF: 0.0, tags.LEARNER_TOKENS: 0.0}
         for u, rows in enumerate(minis):
             metrics = self._update(encoded, seqs, rows, shards[u], old if u > 0 else None, ref)
