@@ -558,3 +558,11 @@ def test_stale_batches_without_an_old_policy_that_sampled_them_are_refused() -> 
     engine = ["algorithm.old_logprobs=engine", "algorithm.rollout_correction=off"]
     assert config_from_dict(apply_overrides(MINIMAL, ["rollout.async_steps=1", *engine]))
     assert config_from_dict(apply_overrides(MINIMAL, ["algorithm.rollout_correction=off"]))
+
+
+def test_a_nucleus_with_the_engines_old_policy_is_refused() -> None:
+    engine = ["algorithm.old_logprobs=engine", "algorithm.rollout_correction=off"]
+    msg = config_error(MINIMAL, [*engine, "rollout.top_p=0.9"])
+    assert "rollout.top_p=0.9" in msg and "set rollout.top_p=1.0" in msg
+    assert config_from_dict(apply_overrides(MINIMAL, [*engine, "rollout.top_p=1.0"]))
+    assert config_from_dict(apply_overrides(MINIMAL, ["rollout.top_p=0.9"]))  # the learner's old policy: allowed

@@ -154,7 +154,14 @@ class RolloutConfig(Section):
         32, ge=1, description="Prompts per step; completions per step = prompts x group_size."
     )
     temperature: float = Field(1.0, gt=0.0, description="Sampling temperature.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling.")
+    top_p: float = Field(
+        1.0,
+        gt=0.0,
+        le=1.0,
+        description="Nucleus sampling. Below 1 the engine's log-probs are renormalised over the nucleus while the "
+        "learner's are over the full vocabulary, so every ratio against them is biased below 1: refused with "
+        "algorithm.old_logprobs=engine.",
+    )
     max_new_tokens: int = Field(256, ge=1, description="Maximum tokens per completion.")
     num_engines: int = Field(1, ge=1, description="Rollout engine actors (data-parallel).")
     gpus_per_engine: float = Field(0.0, ge=0.0, description="GPUs per engine actor (0 on CPU).")
@@ -376,6 +383,17 @@ class JobConfig(Section):
                 "algorithm.rollout_correction=off leaves the gap to the sampling policy unweighted (such runs fell "
                 "back to chance on 3 of 3 seeds); set algorithm.old_logprobs=engine (the ratio is then taken "
                 "against the policy that sampled), or algorithm.rollout_correction=token, or rollout.async_steps=0"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def validate_engine_old_policy_samples_the_full_softmax(self) -> JobConfig:
+        if self.algorithm.old_logprobs == "engine" and self.rollout.top_p < 1.0:
+            raise ValueError(
+                f"rollout.top_p={self.rollout.top_p} has the engine return log-probs renormalised over the nucleus, "
+                "but the learner's log-probs are over the full vocabulary, so with algorithm.old_logprobs=engine "
+                "every ratio is biased below 1 (tokens look less likely to the learner than they were sampled); "
+                "set rollout.top_p=1.0, or algorithm.old_logprobs=learner with algorithm.rollout_correction=token"
             )
         return self
 
