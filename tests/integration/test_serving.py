@@ -4,13 +4,14 @@ two LoRA adapters (language model + vision merger, random non-zero B) are export
 (moto, in a child process), one is served from s3:// at start and the other loaded at run time by the real vLLM OpenAI server
 (CPU build); served evaluation through the openai client must give the same greedy answers as local vLLM
 evaluation of the same adapter; a tampered or incomplete export is refused; unloading removes an adapter.
-The server runs with an API key: without it completions, the model list and adapter load/unload are refused.
+The server runs with an API key: without it every route but the health probes is refused (/invocations too).
 The vLLM server is started once for the module (each start costs about 40-55 s).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -215,12 +216,24 @@ def test_unload_removes_an_adapter(
     assert err.value.status == 404
 
 
-def test_without_the_api_key_nothing_under_v1_is_served(
+def test_without_the_api_key_no_route_is_served(
     server: ServerHandle, a2_copy: Path, exports: dict[str, Any], color_data: Path, tmp_path: Path
 ) -> None:
     """No key or a wrong one: 401 for completions, the model list and run-time load/unload (the adapter
-    stays loaded, no new one appears); the key is not on the server's command line; /health stays open."""
+    stays loaded, no new one appears), and for every other route the server lists, /invocations included;
+    the key is not on the server's command line; the health probes stay open."""
     from visionrl.serve.process import http_json
+
+    routes = json.loads(http_json("GET", server.url + "/openapi.json", api_key=KEY))["paths"]
+    assert "/invocations" in routes and len(routes) > 10
+    for path, methods in routes.items():
+        url = server.url + re.sub(r"\{[^}]*\}", "x", path)
+        for method in (m.upper() for m in methods):
+            if path in ("/health", "/ping"):
+                continue
+            with pytest.raises(ServerError) as err:
+                http_json(method, url, {} if method in ("POST", "PUT") else None)
+            assert err.value.status == 401, (method, path)
 
     assert KEY not in " ".join(server.command)
     chat = {"model": "a2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
@@ -235,6 +248,7 @@ def test_without_the_api_key_nothing_under_v1_is_served(
     assert set(list_models(server.url, api_key=KEY)) >= {"a1", "a2"}
     assert "intruder" not in list_models(server.url, api_key=KEY)
     http_json("GET", server.url + "/health")  # no key needed: load balancers probe it
+    http_json("GET", server.url + "/ping")  # nor SageMaker's probe
     report = evaluate_endpoint(server.base_url, "a2", str(color_data / "eval.jsonl"), str(tmp_path / "r.json"),
                                max_samples=2, max_tokens=2, max_retries=0, api_key="wrong-key")  # fmt: skip
     assert report["num_failed"] == 2 and "AuthenticationError" in report["samples"][0]["error"]

@@ -513,9 +513,12 @@ def test_a_network_address_needs_a_key_or_allow_insecure(
     assert "--api-key KEY or the environment variable VLLM_API_KEY" in err and "--allow-insecure" in err
     open_handle = prepare_server(base, host="0.0.0.0", port=1, allow_insecure=True)
     assert open_handle.api_key is None and "VLLM_API_KEY" not in (open_handle.env or {})
+    assert "--middleware" not in open_handle.command
     handle = prepare_server(base, host="0.0.0.0", port=1, api_key="s3cret")
     assert handle.api_key == "s3cret" and (handle.env or {})["VLLM_API_KEY"] == "s3cret"
     assert "s3cret" not in " ".join(handle.command)
+    # with a key, the guard of every route (not only /v1) is loaded into the server
+    assert handle.command[handle.command.index("--middleware") + 1] == "visionrl.serve.guard.KeyGuard"
     monkeypatch.setenv("VLLM_API_KEY", "from-env")
     assert prepare_server(base, host="0.0.0.0", port=1).api_key == "from-env"
 

@@ -27,6 +27,7 @@ from visionrl.data.images import ImageBudget
 from visionrl.errors import InputError
 from visionrl.rollout.vllm_platform import cpu_env, cpu_only, fill_env
 from visionrl.serve.adapters import ServedAdapter, list_models, served_adapter
+from visionrl.serve.guard import MIDDLEWARE as GUARD
 from visionrl.serve.process import API_KEY_ENV, ServerError, ServerHandle, api_key_from_env, free_port
 
 CPU_MAX_MODEL_LEN = (
@@ -141,9 +142,9 @@ def prepare_server(
 ) -> ServerHandle:
     """Fetch and check every adapter, then build (not start) the server. `port=None` picks a free port.
 
-    `api_key` (default $VLLM_API_KEY) protects every endpoint under /v1 (completions, models, run-time
-    adapter load/unload); it reaches vLLM through its environment, not its command line, which any local user
-    can read. Binding a non-loopback `host` without a key is refused unless `allow_insecure`."""
+    `api_key` (default $VLLM_API_KEY) protects every route but the health probes (completions, models,
+    run-time adapter load/unload, /invocations, /metrics); it reaches vLLM through its environment, not its
+    command line, which any local user can read. Binding a non-loopback `host` without a key is refused unless `allow_insecure`."""
     key = api_key_from_env(api_key)
     check_exposure(host, key, allow_insecure)
     served = [
@@ -154,8 +155,9 @@ def prepare_server(
     cmd = server_command(base, served, host=host, port=port, cpu=cpu, extra=extra, max_lora_rank=max_lora_rank,
                          max_loras=max_loras, tower_connector_lora=tower_connector_lora)  # fmt: skip
     env = server_env(base, cpu=cpu)
-    if key:
+    if key:  # vLLM checks it under /v1 only; the guard covers every other route too (serve.guard)
         env[API_KEY_ENV] = key
+        cmd += ["--middleware", GUARD]
     return ServerHandle(cmd, url=f"http://{host}:{port}", env=env, log_path=log_path, echo=echo,
                         adapters=[a.name for a in served], api_key=key)  # fmt: skip
 
