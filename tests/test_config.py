@@ -566,3 +566,23 @@ def test_a_nucleus_with_the_engines_old_policy_is_refused() -> None:
     assert "rollout.top_p=0.9" in msg and "set rollout.top_p=1.0" in msg
     assert config_from_dict(apply_overrides(MINIMAL, [*engine, "rollout.top_p=1.0"]))
     assert config_from_dict(apply_overrides(MINIMAL, ["rollout.top_p=0.9"]))  # the learner's old policy: allowed
+
+
+def test_defaults_that_depend_on_the_loss_and_the_old_policy() -> None:
+    def algo(*over: str) -> Any:
+        return config_from_dict(apply_overrides(MINIMAL, list(over))).algorithm
+
+    plain = algo()
+    assert (plain.clip_low, plain.dual_clip, plain.loss_aggregation) == (0.2, None, "token_mean")
+    # CISPO bounds its weight above only; GSPO's objective is per sequence
+    assert algo("algorithm.loss=cispo").clip_low is None
+    assert algo("algorithm.loss=gspo").loss_aggregation == "seq_mean_token_mean"
+    # the engine's log-probs as the old policy: dual clip 3 bounds the negative-advantage side
+    engine = ["algorithm.old_logprobs=engine", "algorithm.rollout_correction=off"]
+    assert algo(*engine).dual_clip == 3.0
+    assert algo(*engine, "algorithm.loss=sapo").dual_clip is None  # ppo only
+    # what the job file says is kept
+    assert algo("algorithm.loss=cispo", "algorithm.clip_low=0.2").clip_low == 0.2
+    assert algo("algorithm.loss=gspo", "algorithm.loss_aggregation=token_mean").loss_aggregation == "token_mean"
+    assert algo(*engine, "algorithm.dual_clip=null").dual_clip is None
+    assert "for loss cispo only" in config_error(MINIMAL, ["algorithm.clip_low=null"])

@@ -17,18 +17,30 @@ class AlgorithmConfig(Section):
     advantage_scale: Literal["std", "none"] = Field(
         "std", description="'std': GRPO (r-mean)/std; 'none': Dr. GRPO r-mean."
     )
-    clip_low: float = Field(0.2, ge=0.0, lt=1.0, description="PPO ratio clip below 1 (1 - clip_low).")
+    clip_low: float | None = Field(
+        0.2,
+        ge=0.0,
+        lt=1.0,
+        description="Ratio clip below 1 (1 - clip_low). null: no lower bound, for loss cispo only, and its "
+        "default there (MiniMax-M1's CISPO bounds the weight above only).",
+    )
     clip_high: float = Field(
         0.2, ge=0.0, description="PPO ratio clip above 1 (1 + clip_high); DAPO clip-higher uses 0.28."
     )
     dual_clip: float | None = Field(
-        None, gt=1.0, description="Dual-clip constant c (>1) for negative advantages."
+        None,
+        gt=1.0,
+        description="Dual-clip constant c (>1): the loss of a negative-advantage token is capped at -A*c (ppo). "
+        "Default 3.0 with old_logprobs engine (a token the engine sampled at -7.0 and the learner scores at -4.5 "
+        "has ratio 12 and would weigh 12x), else null (off).",
     )
     loss_aggregation: Literal[
         "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"
     ] = Field(
         "token_mean",
-        description="How per-token losses become one number (Dr. GRPO: seq_mean_token_sum_norm).",
+        description="How per-token losses become one number (Dr. GRPO: seq_mean_token_sum_norm). Default "
+        "seq_mean_token_mean with loss gspo (its objective is per sequence; token_mean weights sequences by "
+        "length), else token_mean.",
     )
     kl_coef: float = Field(
         0.0, ge=0.0, description="Weight of the KL penalty to the base model (adapter disabled)."
@@ -84,6 +96,32 @@ class AlgorithmConfig(Section):
         description="Leave completions cut at max_new_tokens out of the loss (they still count in their group's "
         "advantages).",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def auto_defaults_of_the_loss(cls, data: Any) -> Any:
+        # Defaults that depend on the loss and the old policy, for keys the job file leaves out; a value the
+        # job file gives is kept as it is.
+        if not isinstance(data, dict):
+            return data
+        loss, old = data.get("loss", "ppo"), data.get("old_logprobs", "learner")
+        derived: dict[str, Any] = {}
+        if loss == "cispo":
+            derived["clip_low"] = None
+        if loss == "gspo":
+            derived["loss_aggregation"] = "seq_mean_token_mean"
+        if loss == "ppo" and old == "engine":
+            derived["dual_clip"] = 3.0
+        return {**derived, **data}
+
+    @model_validator(mode="after")
+    def validate_no_lower_bound_only_for_cispo(self) -> AlgorithmConfig:
+        if self.clip_low is None and self.loss != "cispo":
+            raise ValueError(
+                f"algorithm.clip_low=null (no lower bound) is for loss cispo only; with loss {self.loss} a "
+                "negative-advantage token would be pushed down without limit: set algorithm.clip_low (0.2 is usual)"
+            )
+        return self
 
     @field_validator("rollout_correction", mode="before")
     @classmethod

@@ -185,6 +185,24 @@ def test_cispo_boundaries_are_not_clipped() -> None:
     assert lp.grad[0].tolist() == pytest.approx([-r_hi / 2, -r_lo / 2], abs=1e-12)
 
 
+def test_cispo_without_a_lower_bound_keeps_the_small_ratio() -> None:
+    # MiniMax-M1's CISPO bounds the weight above only. old = 0, clip_low None, clip_high 0.2, A = -1, token_mean
+    # over 2 tokens. token 0: r = 0.1 (the policy now finds it 10x less likely): w = 0.1, not 1 - 0.2 = 0.8, so
+    # its gradient is -w A / 2 = +0.05 (with the lower bound: +0.4, 8x). token 1: r = 1.5: w = 1.2, gradient +0.6.
+    # clip_fraction 1/2 (token 1, above); nothing can be clipped below.
+    lp = _t([[LN(0.1), LN(1.5)]]).requires_grad_()
+    old, mask = torch.zeros(1, 2, dtype=F64), torch.ones(1, 2)
+    loss, metrics = policy_loss(lp, old, _t([-1.0]), mask, kind="cispo", clip_low=None)
+    loss.backward()
+    assert lp.grad[0].tolist() == pytest.approx([0.05, 0.6], abs=1e-12)
+    assert float(metrics["clip_fraction_low"]) == 0.0 and float(metrics["clip_fraction_high"]) == 0.5
+    bounded = _t([[LN(0.1), LN(1.5)]]).requires_grad_()
+    policy_loss(bounded, old, _t([-1.0]), mask, kind="cispo", clip_low=0.2)[0].backward()
+    assert bounded.grad[0].tolist() == pytest.approx([0.4, 0.6], abs=1e-12)
+    with pytest.raises(ValueError, match="clip_low=None"):  # PPO's A < 0 tokens would be pushed down unbounded
+        policy_loss(lp, old, _t([-1.0]), mask, kind="ppo", clip_low=None)
+
+
 def test_cispo_gradient_is_minus_clipped_ratio_times_advantage() -> None:
     # On random data with ragged masks: dL/dlp_t = -clip(exp(lp - old), 0.8, 1.28) * A / N on every
     # unmasked token (N = 11), whether clipped or not; 0 on padding.

@@ -46,7 +46,7 @@ class _Inputs:
 
 @dataclass(frozen=True)
 class _Settings:
-    clip_low: float
+    clip_low: float | None  # None: no lower bound (CISPO as MiniMax-M1 defines it)
     clip_high: float
     dual_clip: float | None
     tau_pos: float
@@ -70,11 +70,16 @@ KindFn = Callable[[_Inputs, _Settings], _TokenLoss]
 def _clipped_surrogate(adv: Tensor, ratio: Tensor, s: _Settings) -> tuple[Tensor, Tensor]:
     """``max(-A r, -A clip(r))`` per token, and the bool mask where the clipped term is strictly larger."""
     unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1.0 - s.clip_low, 1.0 + s.clip_high)
+    clipped = -adv * ratio.clamp(_lower(s), 1.0 + s.clip_high)
     # where() on the strict comparison rather than torch.maximum: at the boundary (a tie) the token keeps
     # the unclipped gradient, and the rule is the one clip_fraction counts.
     is_clipped = clipped > unclipped
     return torch.where(is_clipped, clipped, unclipped), is_clipped
+
+
+def _lower(s: _Settings) -> float | None:
+    """The ratio's lower clip bound, 1 - clip_low; None where there is none."""
+    return None if s.clip_low is None else 1.0 - s.clip_low
 
 
 def _ppo(x: _Inputs, s: _Settings) -> _TokenLoss:
@@ -107,9 +112,10 @@ def _gspo(x: _Inputs, s: _Settings) -> _TokenLoss:
 def _cispo(x: _Inputs, s: _Settings) -> _TokenLoss:
     """CISPO: ``-sg(clip(r)) * A * lp``; the gradient -clip(r) * A survives where r is clipped."""
     ratio = x.log_ratio.detach().clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()
-    low, high = 1.0 - s.clip_low, 1.0 + s.clip_high
+    low, high = _lower(s), 1.0 + s.clip_high
     weight = ratio.clamp(low, high)
-    return _TokenLoss(-weight * x.adv * x.logprobs, ratio, ratio < low, ratio > high)
+    below = torch.zeros_like(x.keep) if low is None else ratio < low
+    return _TokenLoss(-weight * x.adv * x.logprobs, ratio, below, ratio > high)
 
 
 def _sapo(x: _Inputs, s: _Settings) -> _TokenLoss:
@@ -172,7 +178,9 @@ def _check_policy_inputs(
             f"advantages must be [B]={b} (one per sequence) or [B, T]=({b}, {t}) (per token), "
             f"got shape {tuple(advantages.shape)}"
         )
-    if not 0 <= s.clip_low < 1:
+    if s.clip_low is None and kind != "cispo":
+        raise ValueError(f"clip_low=None (no lower bound) is for kind='cispo' only, got kind={kind!r}")
+    if s.clip_low is not None and not 0 <= s.clip_low < 1:
         raise ValueError(
             f"clip_low must be in [0, 1) so that 1 - clip_low stays positive, got {s.clip_low!r}"
         )
@@ -212,7 +220,7 @@ def policy_loss(
     advantages: Tensor,
     mask: Tensor,
     *,
-    clip_low: float = 0.2,
+    clip_low: float | None = 0.2,
     clip_high: float = 0.2,
     dual_clip: float | None = None,
     aggregation: str = "token_mean",
@@ -234,7 +242,9 @@ def policy_loss(
     - ``gspo``: the same clipped surrogate with r replaced by the row's sequence ratio
       s = exp(min(m_i, 10)), m_i = sum_t mask (lp - old) / max(1, sum_t mask); its gradient flows through
       each token's own lp. No dual clip.
-    - ``cispo``: ``-sg(clip(r, 1 - clip_low, 1 + clip_high)) A lp``. No dual clip.
+    - ``cispo``: ``-sg(clip(r, 1 - clip_low, 1 + clip_high)) A lp``; ``clip_low=None`` leaves r unbounded
+      below (MiniMax-M1's CISPO: a token the policy now finds far less likely keeps a small weight, not 1 -
+      clip_low). No dual clip.
     - ``sapo``: ``-A (4 / tau) sigmoid(tau (r - 1))`` with tau = ``tau_pos`` where A > 0, else
       ``tau_neg``; clip_low / clip_high are unused. No dual clip.
 
