@@ -565,7 +565,9 @@ def test_a_nucleus_with_the_engines_old_policy_is_refused() -> None:
     msg = config_error(MINIMAL, [*engine, "rollout.top_p=0.9"])
     assert "rollout.top_p=0.9" in msg and "set rollout.top_p=1.0" in msg
     assert config_from_dict(apply_overrides(MINIMAL, [*engine, "rollout.top_p=1.0"]))
-    assert config_from_dict(apply_overrides(MINIMAL, ["rollout.top_p=0.9"]))  # the learner's old policy: allowed
+    assert config_from_dict(
+        apply_overrides(MINIMAL, ["rollout.top_p=0.9"])
+    )  # the learner's old policy: allowed
 
 
 def test_defaults_that_depend_on_the_loss_and_the_old_policy() -> None:
@@ -583,6 +585,8 @@ def test_defaults_that_depend_on_the_loss_and_the_old_policy() -> None:
     assert algo(*engine, "algorithm.loss=sapo").dual_clip is None  # ppo only
     # what the job file says is kept
     assert algo("algorithm.loss=cispo", "algorithm.clip_low=0.2").clip_low == 0.2
-    assert algo("algorithm.loss=gspo", "algorithm.loss_aggregation=token_mean").loss_aggregation == "token_mean"
+    assert (
+        algo("algorithm.loss=gspo", "algorithm.loss_aggregation=token_mean").loss_aggregation == "token_mean"
+    )
     assert algo(*engine, "algorithm.dual_clip=null").dual_clip is None
     assert "for loss cispo only" in config_error(MINIMAL, ["algorithm.clip_low=null"])

@@ -199,7 +199,9 @@ def test_cispo_without_a_lower_bound_keeps_the_small_ratio() -> None:
     bounded = _t([[LN(0.1), LN(1.5)]]).requires_grad_()
     policy_loss(bounded, old, _t([-1.0]), mask, kind="cispo", clip_low=0.2)[0].backward()
     assert bounded.grad[0].tolist() == pytest.approx([0.4, 0.6], abs=1e-12)
-    with pytest.raises(ValueError, match="clip_low=None"):  # PPO's A < 0 tokens would be pushed down unbounded
+    with pytest.raises(
+        ValueError, match="clip_low=None"
+    ):  # PPO's A < 0 tokens would be pushed down unbounded
         policy_loss(lp, old, _t([-1.0]), mask, kind="ppo", clip_low=None)
 
 

@@ -55,7 +55,9 @@ def test_fsdp_ranks_train_the_same_adapter_as_one_plain_learner(
     # Two steps with a checkpoint-state round trip between them.
     one, m1 = run_learner_ranks(raw, 1, tmp_path / "one", steps=2)
     two, m2 = run_learner_ranks(raw, 2, tmp_path / "fsdp", fsdp=True, steps=2)
-    assert m1["learner/filler_passes"] == 0 and m2["learner/filler_passes"] > 0  # the case under test happened
+    assert (
+        m1["learner/filler_passes"] == 0 and m2["learner/filler_passes"] > 0
+    )  # the case under test happened
     assert one.keys() == two.keys() and len(one) > 0
     for k in one:
         torch.testing.assert_close(two[k], one[k], rtol=0, atol=1e-6)

@@ -376,7 +376,8 @@ class Learner:
         by the micro-batch's share of the mini-batch's tokens)."""
         dev = self.device
         lp, entropy = self._stats(mb)
-        if not mb.rows:  # a filler takes part in FSDP's collectives and in nothing else: no loss terms, no gathers
+        # A filler takes part in FSDP's collectives and in nothing else: no loss terms, no gathers.
+        if not mb.rows:
             (lp.sum() * 0.0).backward()
             acc[tags.LEARNER_FILLER_PASSES] += 1
             return
