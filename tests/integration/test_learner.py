@@ -392,3 +392,24 @@ def test_a_completion_that_sampled_a_vision_token_is_left_out_not_the_step(
     only_bad = learner.train_step(TrainBatch(batch.prompts, [bad]))
     assert only_bad["rollout/vision_tokens_sampled"] == 1 and only_bad["updates"] == 0
     assert learner.version == 1
+
+
+def test_a_token_without_a_sampling_logprob_leaves_the_loss_not_the_update(
+    tiny_model: Path, color_data: Path
+) -> None:
+    """The engine's log-probs as the old policy, equal to the learner's (ratio 1), except one token the engine
+    returned none for (NaN). Before, that NaN made the whole update non-finite and it was skipped. Now the token
+    stays in the context and leaves the loss: 13 of the 14 tokens are scored, and the on-policy loss is
+    -sum(A) / 13 over them: A = +1 on rows 0, 2, 4 (2 + 3 + 3 tokens, row 2 without its NaN token), -1 on rows
+    1, 3, 5 (1 + 2 + 2): -(8 - 5) / 13."""
+    algo = {"old_logprobs": "engine", "rollout_correction": "off"}
+    learner = Learner(_cfg(tiny_model, color_data, algorithm=algo), device="cpu")
+    batch = _batch(learner, color_data)
+    for seq, lps in zip(batch.sequences, learner.logprobs(batch), strict=True):
+        seq.sampling_logprobs = list(lps)
+    batch.sequences[2].sampling_logprobs[1] = float("nan")
+    metrics = learner.train_step(batch)
+    assert metrics["faults/skipped_updates"] == 0 and learner.version == 1
+    assert metrics["learner/tokens"] == 13
+    assert metrics["loss/policy"] == pytest.approx(-3 / 13, abs=1e-5)
+    assert metrics["rollout/logprob_diff"] == pytest.approx(0.0, abs=1e-5)  # the NaN is not compared

@@ -55,6 +55,12 @@ class Sequence:
     sampling_logprobs: list[float]
     adapter_version: int | None = None  # the version that sampled it (None: the learner's current one)
 
+    def scored(self) -> torch.Tensor:
+        """[k] bool: the completion tokens with a finite sampling log-prob. A token the engine returned none for
+        (NaN) stays in the context but leaves the loss: as the old policy it would make the whole update NaN."""
+        k = len(self.completion_ids)
+        return torch.isfinite(torch.tensor(self.sampling_logprobs[:k], dtype=torch.float32))
+
 
 @dataclass
 class MicroBatch:
@@ -131,8 +137,9 @@ def collate(
             ids = torch.tensor(s.completion_ids, dtype=torch.long)
             input_ids[b, n : n + k] = ids
             comp[b, :k] = ids
-            comp_mask[b, :k] = 1.0
-            samp[b, :k] = torch.tensor(s.sampling_logprobs[:k], dtype=torch.float32)
+            scored = s.scored()
+            comp_mask[b, :k] = scored.float()
+            samp[b, :k] = torch.tensor(s.sampling_logprobs[:k], dtype=torch.float32).nan_to_num(0.0)
         if ep.pixel_values is not None and ep.image_grid_thw is not None:
             grids.append(ep.image_grid_thw)
             key = s.prompt if share_images else -1 - b  # without sharing every row is its own source

@@ -341,7 +341,7 @@ class Learner:
         mbs = self._micro_batches(encoded, seqs, mine) if mine else []
         self._even_out(mbs, encoded, seqs)
         norms = {
-            "num_tokens": float(sum(len(seqs[r].completion_ids) for r in rows)),
+            "num_tokens": float(sum(int(seqs[r].scored().sum()) for r in rows)),
             "num_sequences": float(sum(1 for r in rows if seqs[r].completion_ids)),
             "norm_length": float(self.cfg.rollout.max_new_tokens),
         }

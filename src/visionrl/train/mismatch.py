@@ -79,7 +79,9 @@ def abs_diff_sums(seqs: list[Sequence], rows: list[int], store: dict[int, torch.
         k = len(seqs[r].completion_ids)
         if k:
             samp = torch.tensor(seqs[r].sampling_logprobs[:k], dtype=torch.float32)
-            local += torch.tensor([float((store[r][:k] - samp).abs().sum()), k], dtype=torch.float64)
+            scored = seqs[r].scored()  # tokens without a sampling log-prob have nothing to compare
+            diff = (store[r][:k] - samp).abs()[scored]
+            local += torch.tensor([float(diff.sum()), int(scored.sum())], dtype=torch.float64)
     return local
 
 
