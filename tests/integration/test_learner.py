@@ -413,3 +413,30 @@ def test_a_token_without_a_sampling_logprob_leaves_the_loss_not_the_update(
     assert metrics["learner/tokens"] == 13
     assert metrics["loss/policy"] == pytest.approx(-3 / 13, abs=1e-5)
     assert metrics["rollout/logprob_diff"] == pytest.approx(0.0, abs=1e-5)  # the NaN is not compared
+
+
+def test_a_checkpoint_of_another_lora_layout_is_refused_and_rng_restored(
+    tiny_model: Path, color_data: Path, tmp_path: Path
+) -> None:
+    import random
+
+    from visionrl.errors import InputError
+
+    lm_only = Learner(_cfg(tiny_model, color_data, lora={"train_merger": False}))
+    payload, state = lm_only.adapter_payload(for_engine=False), lm_only.state_dict()["trainer_state"]
+    for name, data in payload.files.items():
+        (tmp_path / name).write_bytes(data)
+    # the merger's LoRA weights are not in the checkpoint: before, peft loaded the rest and kept the merger's
+    # fresh, silently
+    with_merger = Learner(_cfg(tiny_model, color_data))
+    with pytest.raises(InputError, match="does not fit this job's LoRA layout") as err:
+        with_merger.load_state(tmp_path, state)
+    assert "merger" in str(err.value) and "train_merger" in str(err.value)
+    # the same layout loads, and the Python RNG comes back with the torch one
+    random.seed(7)
+    expected = random.random()
+    random.seed(7)
+    state = lm_only.state_dict()["trainer_state"]
+    random.random()
+    Learner(_cfg(tiny_model, color_data, lora={"train_merger": False})).load_state(tmp_path, state)
+    assert random.random() == expected

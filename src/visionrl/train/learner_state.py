@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import random
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import Any
 
 import torch
 
+from visionrl.errors import InputError
 from visionrl.models.loader import lora_param_groups
 from visionrl.train.ranks import full_optimizer_state, full_tensor, load_sharded_state
 from visionrl.types import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterPayload
@@ -64,6 +66,8 @@ def trainer_state_bytes(learner: Learner) -> bytes:
             "scheduler": learner.scheduler.state_dict(),
             "version": learner.version,
             "rng": torch.get_rng_state(),
+            "python_rng": random.getstate(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
         },
         buf,
     )
@@ -76,6 +80,7 @@ def load_trainer_state(learner: Learner, adapter_dir: Path, trainer_state: bytes
 
     weights = load_file(str(adapter_dir / ADAPTER_WEIGHTS))
     state = torch.load(io.BytesIO(trainer_state), weights_only=False)
+    check_adapter_fits(learner.model, weights, adapter_dir)
     if learner.ranks.fsdp:
         load_sharded_state(learner.model, learner.optimizer, weights, state["optimizer"])
     else:
@@ -84,7 +89,29 @@ def load_trainer_state(learner: Learner, adapter_dir: Path, trainer_state: bytes
     learner.scheduler.load_state_dict(state["scheduler"])
     learner.version = int(state["version"])
     torch.set_rng_state(state["rng"])
+    if state.get("python_rng") is not None:  # absent in checkpoints written before it was kept
+        random.setstate(state["python_rng"])
+    if state.get("cuda_rng") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda_rng"])
     apply_optimizer_settings(learner)
+
+
+def check_adapter_fits(model: torch.nn.Module, weights: dict[str, torch.Tensor], adapter_dir: Path) -> None:
+    """Raise InputError unless `weights` (peft's file names) are exactly the model's trainable LoRA weights: a
+    checkpoint of another LoRA layout would otherwise load partly and train on from half-initialised weights."""
+    expected = {
+        name.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")
+        for name, p in model.named_parameters()
+        if p.requires_grad
+    }
+    missing, unexpected = sorted(expected - weights.keys()), sorted(weights.keys() - expected)
+    if missing or unexpected:
+        raise InputError(
+            f"the checkpoint's adapter {adapter_dir} does not fit this job's LoRA layout: {len(missing)} of the "
+            f"model's LoRA weights are not in it (e.g. {missing[:2]}) and {len(unexpected)} of its weights are "
+            f"not in the model (e.g. {unexpected[:2]}); resume with the lora settings (rank, target_modules, "
+            "train_merger, train_lm_head) the run was started with"
+        )
 
 
 def apply_optimizer_settings(learner: Learner) -> None:
