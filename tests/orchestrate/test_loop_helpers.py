@@ -3,12 +3,15 @@ batch, step metrics, the step clock, reward shaping."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
 from visionrl.config import config_from_dict
 from visionrl.orchestrate.collect import collect
-from visionrl.orchestrate.loop import _train_batch
+from visionrl.orchestrate.loop import _train_batch, evaluations_so_far
 from visionrl.orchestrate.step_log import StepClock, step_metrics
 from visionrl.rewards import RewardResult
 from visionrl.types import Completion, PromptItem, SamplingSpec
@@ -248,3 +251,19 @@ def test_a_restart_without_resume_into_a_run_with_checkpoints_is_refused(tmp_pat
     with pytest.raises(InputError, match=r"holds checkpoints of an earlier run; continue it with `--resume`"):
         train(cfg)
     assert sorted(p.name for p in run.rglob("*")) == ["checkpoints", "step_4"]
+
+
+def test_the_early_stop_count_carries_over_a_resume(tmp_path: Path) -> None:
+    """The evaluations in a row at the target, read back from the history a resumed run starts from: a run
+    stopped after one evaluation at the target stops after one more, not two."""
+    history = tmp_path / "history.jsonl"
+    records = [{"step": 10, "eval/accuracy": 0.95}, {"step": 15}, {"step": 20, "eval/accuracy": 0.7}]
+    records += [{"step": 30, "eval/accuracy": 0.91}, {"step": 35}, {"step": 40, "eval/accuracy": 0.93}]
+    history.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert evaluations_so_far(history, 0.9) == (0.93, 2)  # steps 30 and 40; step 20 ended the row before
+    assert evaluations_so_far(history, 0.92) == (0.93, 1)
+    assert evaluations_so_far(history, None) == (0.93, 0)  # no target: no early stop
+    with history.open("a") as f:
+        f.write(json.dumps({"step": 50, "eval/accuracy": None}) + "\n")  # an evaluation that failed
+    assert evaluations_so_far(history, 0.9) == (None, 0)
+    assert evaluations_so_far(tmp_path / "none.jsonl", 0.9) == (None, 0)  # nothing evaluated yet

@@ -178,8 +178,11 @@ class Loop:
         # warns when exploration has died (entropy and groups with signal near zero below the target)
         self.collapse = CollapseWatch(cfg.algorithm, cfg.train.target_accuracy)
         self.progress = Progress(cfg.train.steps, start_step=resumed)
-        self.acc: float | None = None  # the latest held-out accuracy (None: no eval data, or it failed)
-        self.above = 0  # evaluations in a row at train.target_accuracy
+        # the latest held-out accuracy (None: no eval data, or it failed) and the evaluations in a row at
+        # train.target_accuracy, carried over from the steps before a resume (its history file)
+        self.acc, self.above = (
+            evaluations_so_far(run.history, cfg.train.target_accuracy) if resumed else (None, 0)
+        )
         self.history: list[dict[str, Any]] = []
 
     def step(self, step: int) -> bool:
@@ -277,6 +280,19 @@ class Loop:
         self.workers.close()
         steps = self.history[-1]["step"] if self.history else self.resumed
         return TrainResult(self.run.root, adapter_dir, steps, self.acc, self.history)
+
+
+def evaluations_so_far(history: Path, target: float | None) -> tuple[float | None, int]:
+    """From a run's history file: the latest held-out accuracy, and how many evaluations in a row (the latest
+    ones) were at `target` (the early stop needs two, also across a resume); a failed evaluation (None) ends a
+    row, as it does in the run."""
+    accuracies = [h[tags.EVAL_ACCURACY] for h in history_file.read(history) if tags.EVAL_ACCURACY in h]
+    above = 0
+    for acc in reversed(accuracies):
+        if target is None or acc is None or acc < target:
+            break
+        above += 1
+    return (accuracies[-1] if accuracies else None), above
 
 
 def _evaluate(workers: Workers, prompts_in: PromptStream, step: int) -> tuple[float | None, RunError | None]:
