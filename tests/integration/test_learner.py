@@ -440,3 +440,19 @@ def test_a_checkpoint_of_another_lora_layout_is_refused_and_rng_restored(
     random.random()
     Learner(_cfg(tiny_model, color_data, lora={"train_merger": False})).load_state(tmp_path, state)
     assert random.random() == expected
+
+
+def test_the_schedule_runs_on_steps_not_on_the_updates_applied(tiny_model: Path, color_data: Path) -> None:
+    """Cosine to 0 over 4 steps x 2 updates = 8 slots, no warm-up: lr(slot) = 1e-2 * (1 + cos(pi slot / 8)) / 2.
+    A batch of one group has one update a step (not 2); before, each such step moved the schedule one slot, so
+    after 4 steps it stood at slot 3 instead of 6. Now step k's update takes slot 2k: 1e-2, 0.8536e-2,
+    0.5e-2, 0.1464e-2."""
+    train = {"steps": 4, "lr_schedule": "cosine", "min_lr_ratio": 0.0, "lr": 1e-2}
+    over = {"algorithm": {"updates_per_batch": 2}, "rollout": {"prompts_per_step": 2}}
+    learner = Learner(_cfg(tiny_model, color_data, train=train, **over))
+    batch = _batch(learner, color_data)
+    one_group = TrainBatch(batch.prompts, batch.sequences[:2])  # prompt 0's two completions
+    lrs = [learner.train_step(one_group)["policy/lr"] for _ in range(4)]
+    expected = [1e-2 * (1 + math.cos(math.pi * slot / 8)) / 2 for slot in (0, 2, 4, 6)]
+    assert lrs == pytest.approx(expected, rel=1e-9)
+    assert lrs[1] == pytest.approx(0.8536e-2, abs=1e-6)

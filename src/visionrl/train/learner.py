@@ -98,6 +98,7 @@ class Learner:
             self.optimizer, lambda s: lr_lambda(s, t.warmup_steps, total, t.lr_schedule, t.min_lr_ratio)
         )
         self.version = 0
+        self.steps_trained = 0  # train_step calls that trained: the learning-rate schedule's clock
         # rollout.async_steps: the version before `version`, which the engines may still sample with (train.mismatch)
         self._previous: AdapterSnapshot | None = None
         self._adapter_config: bytes | None = None
@@ -212,10 +213,12 @@ class Learner:
         totals[tags.VISION_TOKENS_SAMPLED] = float(vision)
         n_updates, first = len(minis), {tags.LOGPROB_DIFF: 0.0, tags.LEARNER_TOKENS: 0.0}
         for u, rows in enumerate(minis):
+            self._set_lr(self.steps_trained * self.cfg.algorithm.updates_per_batch, u, n_updates)
             metrics = self._update(encoded, seqs, rows, shards[u], old if u > 0 else None, ref)
             first = metrics if u == 0 else first  # before this step's first optimizer update, like `old`
             for k, v in metrics.items():
                 totals[k] = totals.get(k, 0.0) + v / n_updates
+        self.steps_trained += 1
         totals[tags.SKIPPED_UPDATES] *= n_updates  # a count, not a mean
         totals["updates"] = float(n_updates)
         if totals[tags.SKIPPED_UPDATES] < n_updates:  # the adapter changed: a new version for the engines
@@ -292,6 +295,17 @@ class Learner:
                 p.requires_grad_(True)
         return out
 
+    def _set_lr(self, first_slot: int, u: int, n_updates: int) -> None:
+        """The learning rate of update `u` of `n_updates` in this step. The schedule runs on the GRPO step, not
+        on the updates applied: step k owns the slots k*U .. k*U + U - 1 (U = updates_per_batch), its updates
+        spread over them, so a skipped update or a step with fewer groups than U does not hold the schedule back
+        (it ends where train.steps ends)."""
+        slot = first_slot + (u * self.cfg.algorithm.updates_per_batch) // n_updates
+        self.scheduler.last_epoch = slot
+        factor = self.scheduler.lr_lambdas[0](slot)
+        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs, strict=True):
+            group["lr"] = base * factor
+
     def _trainable(self) -> list[torch.Tensor]:
         return [p for p in self.model.parameters() if p.requires_grad]
 
@@ -357,7 +371,7 @@ class Learner:
         out = dict(zip(acc, summed.tolist(), strict=True))
         prompt_tokens = float(sum(len(encoded[seqs[r].prompt].input_ids) for r in rows))
         out[tags.GRAD_NORM] = grad_norm
-        out[tags.LR] = float(self.scheduler.get_last_lr()[0])
+        out[tags.LR] = float(self.optimizer.param_groups[0]["lr"])
         out[tags.LEARNER_TOKENS] = norms["num_tokens"]
         out[tags.LEARNER_SEQUENCE_TOKENS] = prompt_tokens + norms["num_tokens"]
         out[tags.SKIPPED_UPDATES] = 0.0 if self._apply(out[tags.LOSS_TOTAL], grad_norm) else 1.0
@@ -417,7 +431,6 @@ class Learner:
         `train.on_nonfinite: skip` the gradients are dropped and False returned, with `stop` it raises."""
         if math.isfinite(loss) and math.isfinite(grad_norm):
             self.optimizer.step()
-            self.scheduler.step()
             return True
         self.optimizer.zero_grad(set_to_none=True)
         what = (

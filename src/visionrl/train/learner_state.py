@@ -65,6 +65,7 @@ def trainer_state_bytes(learner: Learner) -> bytes:
             else learner.optimizer.state_dict(),
             "scheduler": learner.scheduler.state_dict(),
             "version": learner.version,
+            "steps_trained": learner.steps_trained,
             "rng": torch.get_rng_state(),
             "python_rng": random.getstate(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
@@ -88,6 +89,9 @@ def load_trainer_state(learner: Learner, adapter_dir: Path, trainer_state: bytes
         learner.optimizer.load_state_dict(state["optimizer"])
     learner.scheduler.load_state_dict(state["scheduler"])
     learner.version = int(state["version"])
+    # checkpoints written before the schedule ran on steps: their scheduler counted applied updates
+    updates = learner.cfg.algorithm.updates_per_batch
+    learner.steps_trained = int(state.get("steps_trained", state["scheduler"]["last_epoch"] // updates))
     torch.set_rng_state(state["rng"])
     if state.get("python_rng") is not None:  # absent in checkpoints written before it was kept
         random.setstate(state["python_rng"])
