@@ -43,6 +43,12 @@ LOSS_POLICY = "loss/policy"
 LOSS_KL = "loss/kl"
 LOSS_TOTAL = "loss/total"
 CLIP_FRACTION = "policy/clip_fraction"
+# its two sides: tokens with A < 0 held at the lower bound, tokens with A > 0 at the upper one
+CLIP_FRACTION_LOW = "policy/clip_fraction_low"
+CLIP_FRACTION_HIGH = "policy/clip_fraction_high"
+# the largest and smallest ratio to the old policy of a trained token in the step (over every mini-batch)
+RATIO_MAX = "policy/ratio_max"
+RATIO_MIN = "policy/ratio_min"
 ENTROPY = "policy/entropy"
 GRAD_NORM = "policy/grad_norm"
 APPROX_KL = "policy/approx_kl"

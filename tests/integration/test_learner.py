@@ -345,6 +345,14 @@ def test_engine_old_logprobs_skip_the_old_pass_and_set_the_ratio(tiny_model: Pat
     assert len(firsts) == 3
     assert firsts[0]["loss/policy"] == pytest.approx(-0.4 / 3, abs=1e-5)
     assert firsts[0]["policy/clip_fraction"] == pytest.approx(2 / 3, abs=1e-6)
+    # both clipped tokens have A > 0 and r = 2 above 1.2: the high side; every ratio of mini-batch 1 is 2
+    assert firsts[0]["policy/clip_fraction_high"] == pytest.approx(2 / 3, abs=1e-6)
+    assert firsts[0]["policy/clip_fraction_low"] == 0.0
+    assert firsts[0]["policy/ratio_max"] == pytest.approx(2.0, rel=1e-4)
+    assert firsts[0]["policy/ratio_min"] == pytest.approx(2.0, rel=1e-4)
+    # the step's extremes span its mini-batches (the later ones see the updated policy)
+    assert metrics["policy/ratio_max"] == max(f["policy/ratio_max"] for f in firsts)
+    assert metrics["policy/ratio_min"] == min(f["policy/ratio_min"] for f in firsts)
     # the mismatch measure still compares learner and engine before the first update: log 2 per token
     assert metrics["rollout/logprob_diff"] == pytest.approx(math.log(2.0), abs=1e-4)
 

@@ -50,7 +50,7 @@ from visionrl.train.mismatch import (
     staleness,
     swapped,
 )
-from visionrl.train.objective import metric_keys, micro_batch_loss
+from visionrl.train.objective import NO_PEAKS, metric_keys, micro_batch_loss
 from visionrl.train.ranks import (
     RankGroup,
     clip_grads,
@@ -58,6 +58,9 @@ from visionrl.train.ranks import (
 )
 from visionrl.train.schedule import lr_lambda
 from visionrl.types import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterPayload, PromptItem
+
+# step metrics that are extremes over the updates, not means
+PEAK_KEYS = {tags.RATIO_MAX: max, tags.RATIO_MIN: min}
 
 
 @dataclass
@@ -217,7 +220,10 @@ class Learner:
             metrics = self._update(encoded, seqs, rows, shards[u], old if u > 0 else None, ref)
             first = metrics if u == 0 else first  # before this step's first optimizer update, like `old`
             for k, v in metrics.items():
-                totals[k] = totals.get(k, 0.0) + v / n_updates
+                if k in PEAK_KEYS:  # the extremes of the step, not a mean over its updates
+                    totals[k] = PEAK_KEYS[k](totals.get(k, v), v)
+                else:
+                    totals[k] = totals.get(k, 0.0) + v / n_updates
         self.steps_trained += 1
         totals[tags.SKIPPED_UPDATES] *= n_updates  # a count, not a mean
         totals["updates"] = float(n_updates)
@@ -363,12 +369,16 @@ class Learner:
         # Every rank holds the same keys, even one without sequences: they are summed over the ranks.
         acc = {k: torch.zeros((), device=self.device) for k in metric_keys(self.cfg.algorithm)}
         acc[tags.LEARNER_MICRO_BATCHES] += sum(1 for mb in mbs if mb.rows)
+        peaks = NO_PEAKS.to(self.device)  # [largest ratio, -smallest ratio], reduced by max
         self.optimizer.zero_grad(set_to_none=True)
         for mb in mbs:
-            self._backward(mb, old, ref, norms, acc)
+            peaks = torch.maximum(peaks, self._backward(mb, old, ref, norms, acc))
         grad_norm = self._reduce_and_clip_grads()
         summed = self.ranks.sum_(torch.stack([v.float() for v in acc.values()]))
         out = dict(zip(acc, summed.tolist(), strict=True))
+        highest, neg_lowest = self.ranks.max_(peaks).tolist()
+        if math.isfinite(highest):  # some rank had a token
+            out[tags.RATIO_MAX], out[tags.RATIO_MIN] = highest, -neg_lowest
         prompt_tokens = float(sum(len(encoded[seqs[r].prompt].input_ids) for r in rows))
         out[tags.GRAD_NORM] = grad_norm
         out[tags.LR] = float(self.optimizer.param_groups[0]["lr"])
@@ -384,17 +394,17 @@ class Learner:
         ref: dict[int, torch.Tensor] | None,
         norms: dict[str, float],
         acc: dict[str, torch.Tensor],
-    ) -> None:
+    ) -> torch.Tensor:
         """Forward and backward of the micro-batch `mb`: its gradient added to the mini-batch's, its metrics to
         `acc` (the loss terms as they are, already normalised for the mini-batch; the per-token means weighted
-        by the micro-batch's share of the mini-batch's tokens)."""
+        by the micro-batch's share of the mini-batch's tokens); returns its ratio peaks (`MicroBatchLoss`)."""
         dev = self.device
         lp, entropy = self._stats(mb)
         # A filler takes part in FSDP's collectives and in nothing else: no loss terms, no gathers.
         if not mb.rows:
             (lp.sum() * 0.0).backward()
             acc[tags.LEARNER_FILLER_PASSES] += 1
-            return
+            return NO_PEAKS.to(dev)
         loss = micro_batch_loss(
             self.cfg.algorithm,
             lp,
@@ -416,6 +426,7 @@ class Learner:
                 acc[k] = acc[k] + v
             for k, v in loss.means.items():
                 acc[k] = acc[k] + v * w
+        return loss.peaks
 
     def _reduce_and_clip_grads(self) -> float:
         """The gradients summed over the ranks and clipped to train.max_grad_norm; their norm before clipping."""

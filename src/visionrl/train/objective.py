@@ -26,12 +26,18 @@ class MicroBatchLoss:
     means: dict[
         str, torch.Tensor
     ]  # detached per-token means: clipping, approx. KL, entropy, mismatch, correction
+    # detached [largest ratio, -smallest ratio] of the micro-batch's tokens (both reduce by max; -inf: no token)
+    peaks: torch.Tensor
+
+
+NO_PEAKS = torch.full((2,), float("-inf"))  # the ratio peaks of a micro-batch without tokens
 
 
 def metric_keys(algo: AlgorithmConfig) -> list[str]:
     """What the learner sums over micro-batches and ranks: the loss terms, the per-token means, the count of
     micro-batches."""
     keys = [tags.LOSS_POLICY, tags.LOSS_KL, tags.LOSS_TOTAL, tags.CLIP_FRACTION, tags.APPROX_KL, tags.ENTROPY]
+    keys += [tags.CLIP_FRACTION_LOW, tags.CLIP_FRACTION_HIGH]
     keys += [tags.LOGPROB_DIFF, tags.LEARNER_MICRO_BATCHES, tags.LEARNER_FILLER_PASSES]
     if algo.rollout_correction != "off":
         keys += [tags.CORRECTION_WEIGHT, tags.CORRECTION_CLIPPED, tags.MISMATCH_KL]
@@ -81,11 +87,17 @@ def micro_batch_loss(
         means = {
             **correction,
             tags.CLIP_FRACTION: pm["clip_fraction"],
+            tags.CLIP_FRACTION_LOW: pm["clip_fraction_low"],
+            tags.CLIP_FRACTION_HIGH: pm["clip_fraction_high"],
             tags.APPROX_KL: pm["approx_kl"],
             tags.ENTROPY: masked_mean(entropy.detach(), mask),
             tags.LOGPROB_DIFF: masked_mean((lp.detach() - sampling_lp).abs(), mask),
         }
-    return MicroBatchLoss(total, {tags.LOSS_POLICY: loss.detach(), tags.LOSS_KL: kl.detach()}, means)
+        # on the device, no host sync: a micro-batch without tokens has no peaks
+        peaks = torch.where(
+            mask.any(), torch.stack([pm["ratio_max"], -pm["ratio_min"]]).float(), NO_PEAKS.to(lp.device)
+        )
+    return MicroBatchLoss(total, {tags.LOSS_POLICY: loss.detach(), tags.LOSS_KL: kl.detach()}, means, peaks)
 
 
 def _correction(

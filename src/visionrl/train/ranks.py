@@ -55,6 +55,15 @@ class RankGroup:
                 t.copy_(buf)
         return t
 
+    def max_(self, t: torch.Tensor) -> torch.Tensor:
+        """`t`'s elementwise maximum over the ranks, in place (and returned)."""
+        if self.world > 1:
+            buf = t.to(_comm_device())
+            torch.distributed.all_reduce(buf, op=torch.distributed.ReduceOp.MAX)
+            if buf is not t:
+                t.copy_(buf)
+        return t
+
     def most(self, n: int) -> int:
         """The largest `n` over the ranks: with FSDP every rank must run as many forward passes as the busiest."""
         if self.world == 1:
