@@ -50,7 +50,9 @@ class AlgorithmConfig(Section):
     dynamic_sampling: bool = Field(
         False,
         description="DAPO dynamic sampling: train only on groups whose rewards differ (the others carry no signal), "
-        "sampling more prompts (up to max_sampling_rounds batches) to fill the step.",
+        "sampling more prompts (up to max_sampling_rounds batches) to fill the step. The filter reads the rewards "
+        "before the overlong shaping, as DAPO filters on accuracy: a group that differs only in its length "
+        "penalty is dropped.",
     )
     max_sampling_rounds: int = Field(
         3, ge=1, description="With dynamic_sampling: batches of prompts sampled per step, at most."
