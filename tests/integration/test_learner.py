@@ -464,3 +464,25 @@ def test_the_schedule_runs_on_steps_not_on_the_updates_applied(tiny_model: Path,
     expected = [1e-2 * (1 + math.cos(math.pi * slot / 8)) / 2 for slot in (0, 2, 4, 6)]
     assert lrs == pytest.approx(expected, rel=1e-9)
     assert lrs[1] == pytest.approx(0.8536e-2, abs=1e-6)
+
+
+def test_a_processor_without_modality_ids_gets_them_from_the_vision_tokens(
+    tiny_model: Path, color_data: Path
+) -> None:
+    """M-RoPE places image tokens by `mm_token_type_ids`; a processor that returns none used to get zeros (every
+    token text, wrong positions, no error). Derived from the image token ids, they equal the processor's own."""
+    learner = Learner(_cfg(tiny_model, color_data))
+    prompts = _batch(learner, color_data).prompts[:1]
+    expected = learner.encode_prompts(prompts)[0].mm_token_type_ids
+    real = learner.processor.__call__
+
+    def without_types(*args, **kwargs):  # type: ignore[no-untyped-def]
+        enc = real(*args, **kwargs)
+        del enc["mm_token_type_ids"]
+        return enc
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(type(learner.processor), "__call__", lambda self, *a, **k: without_types(*a, **k))
+        derived = learner.encode_prompts(prompts)[0].mm_token_type_ids
+    assert int(expected.sum()) == 4  # the 64 x 64 image's 4 tokens
+    assert torch.equal(derived, expected)

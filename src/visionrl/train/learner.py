@@ -136,12 +136,23 @@ class Learner:
             out.append(
                 EncodedPrompt(
                     input_ids=enc["input_ids"][0],
-                    mm_token_type_ids=mm[0] if mm is not None else torch.zeros_like(enc["input_ids"][0]),
+                    mm_token_type_ids=mm[0] if mm is not None else self._mm_types(enc["input_ids"][0]),
                     pixel_values=enc.get("pixel_values"),
                     image_grid_thw=enc.get("image_grid_thw"),
                 )
             )
         return out
+
+    def _mm_types(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The modality of each token (0 text, 1 image, 2 video) where the processor gives none: M-RoPE places
+        image tokens by it, so zeros would silently give them text positions."""
+        config = self.model.get_base_model().config
+        types = torch.zeros_like(input_ids)
+        for kind, key in ((1, "image_token_id"), (2, "video_token_id")):
+            token = getattr(config, key, None)
+            if token is not None:
+                types[input_ids == token] = kind
+        return types
 
     def _stats(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs and entropies [B, T] of the micro-batch's completion tokens under the sampling distribution
