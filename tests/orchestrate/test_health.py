@@ -81,9 +81,16 @@ def test_collapse_warns_once_after_three_collapsed_steps_below_the_target_naming
     (record,) = [r for r in caplog.records if "collapsed" in r.getMessage()]
     msg = record.getMessage()
     assert "step 5" in msg and "0.720" in msg and "target 0.9" in msg and "3 steps in a row" in msg
-    assert "algorithm.clip_high (now 0.2; DAPO clip-higher: 0.28)" in msg
+    # one on-policy mini-batch: its ratio is exactly 1, so the warning says where clip-higher can act
+    assert (
+        "algorithm.clip_high (now 0.2; DAPO clip-higher: 0.28; it acts only with updates_per_batch >= 2)"
+        in msg
+    )
     assert "algorithm.dynamic_sampling (now false; try true)" in msg
     assert "algorithm.entropy_coef (now 0.0; try 0.01)" in msg
+    assert "algorithm.updates_per_batch (now 1; try 2" in msg
+    two = CollapseWatch(AlgorithmConfig(updates_per_batch=2), target=0.9).remedies()
+    assert two[0] == "algorithm.clip_high (now 0.2; DAPO clip-higher: 0.28)"
 
 
 def test_no_collapse_warning_at_the_target_or_with_signal_or_entropy() -> None:

@@ -141,10 +141,17 @@ class CollapseWatch:
         return True
 
     def remedies(self) -> list[str]:
-        """The exploration settings, each with its value now and one to try (DAPO's, and an entropy bonus)."""
+        """The exploration settings, each with its value now and one to try (DAPO's, an entropy bonus, and more
+        updates per batch, without which clip-higher cannot act when the learner's log-probs are the old policy:
+        the one mini-batch is on-policy, its ratio exactly 1)."""
         a = self.algo
+        on_policy = a.updates_per_batch == 1 and a.old_logprobs == "learner"
+        clip_note = "; it acts only with updates_per_batch >= 2" if on_policy else ""
         return [
-            f"algorithm.clip_high (now {a.clip_high}; DAPO clip-higher: {max(0.28, a.clip_high + 0.08):.2f})",
+            f"algorithm.clip_high (now {a.clip_high}; DAPO clip-higher: {max(0.28, a.clip_high + 0.08):.2f}"
+            f"{clip_note})",
             f"algorithm.dynamic_sampling (now {str(a.dynamic_sampling).lower()}; try true)",
             f"algorithm.entropy_coef (now {a.entropy_coef}; try {max(0.01, 2 * a.entropy_coef):g})",
+            f"algorithm.updates_per_batch (now {a.updates_per_batch}; try {2 * a.updates_per_batch}: more updates "
+            "from each batch)",
         ]
