@@ -78,7 +78,8 @@ def test_demo_file_values_are_kept_as_written() -> None:
     assert cfg.model.dtype == "float32"
     # Keys the file leaves out take their documented defaults.
     assert cfg.lora.target_modules == LM_PROJECTIONS
-    assert cfg.algorithm.updates_per_batch == 1
+    assert cfg.algorithm.updates_per_batch == raw["algorithm"]["updates_per_batch"] == 2
+    assert cfg.algorithm.dual_clip is None  # the learner's old policy: no dual clip by default
 
 
 def test_production_job_file_describes_the_8b_job() -> None:
