@@ -81,6 +81,8 @@ RESPONSE_TOKENS = "response/tokens"  # completion tokens generated this step
 LEARNER_MICRO_BATCHES = "learner/micro_batches"
 # FSDP: update passes a rank ran without sequences, so that every rank runs as many collectives as the busiest
 LEARNER_FILLER_PASSES = "learner/filler_passes"
+# train.compile: graphs Dynamo has compiled so far; a rise after the first steps is a recompilation
+LEARNER_COMPILED_GRAPHS = "learner/compiled_graphs"
 LEARNER_TOKENS = "learner/tokens"
 LEARNER_SEQUENCE_TOKENS = (
     "learner/sequence_tokens"  # prompt (image tokens included) + completion tokens trained on

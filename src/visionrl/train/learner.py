@@ -40,7 +40,7 @@ from visionrl.models.loader import (
 from visionrl.models.sequences import EncodedPrompt, MicroBatch, Sequence, collate, without_tokens
 from visionrl.train import learner_state
 from visionrl.train.batching import NO_GRAD_BATCH_TOKENS, plan_micro_batches
-from visionrl.train.forward import SharedImages, compile_decoder_layers, completion_stats
+from visionrl.train.forward import SharedImages, compile_decoder_layers, compiled_graphs, completion_stats
 from visionrl.train.mismatch import (
     AdapterSnapshot,
     abs_diff_sums,
@@ -254,6 +254,8 @@ class Learner:
             totals[tags.LEARNER_PEAK_MEM] = torch.cuda.max_memory_reserved(self.device) / 2**30
             if self.cfg.rollout.sleep_during_update:  # the waking engine needs the memory this update cached
                 torch.cuda.empty_cache()
+        if self.cfg.train.compile:
+            totals[tags.LEARNER_COMPILED_GRAPHS] = float(compiled_graphs())
         totals["update_s"] = time.perf_counter() - t0
         totals["adapter_version"] = float(self.version)
         return totals
@@ -313,10 +315,8 @@ class Learner:
         return out
 
     def _set_lr(self, first_slot: int, u: int, n_updates: int) -> None:
-        """The learning rate of update `u` of `n_updates` in this step. The schedule runs on the GRPO step, not
-        on the updates applied: step k owns the slots k*U .. k*U + U - 1 (U = updates_per_batch), its updates
-        spread over them, so a skipped update or a step with fewer groups than U does not hold the schedule back
-        (it ends where train.steps ends)."""
+        """The rate of update `u` of `n_updates`: the schedule runs on the GRPO step (step k owns slots kU..kU+U-1,
+        U = updates_per_batch), so a skipped update or a step of fewer groups than U does not hold it back."""
         slot = first_slot + (u * self.cfg.algorithm.updates_per_batch) // n_updates
         self.scheduler.last_epoch = slot
         factor = self.scheduler.lr_lambdas[0](slot)
