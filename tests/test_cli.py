@@ -200,7 +200,8 @@ def test_validate_prints_the_resolved_config_with_overrides(capsys: pytest.Captu
     resolved = yaml.safe_load(out)
     assert resolved["train"]["steps"] == 7 and resolved["rollout"]["temperature"] == 0.5
     # Every key is printed, defaults included, and the file's own values are kept.
-    assert resolved["algorithm"]["updates_per_batch"] == 1 and resolved["lora"]["rank"] == 16
+    assert resolved["algorithm"]["updates_per_batch"] == 2 and resolved["lora"]["rank"] == 16
+    assert resolved["algorithm"]["kl_kind"] == "k3"  # a default the file leaves out
     assert err.strip().endswith("demo.yaml: valid")
 
 

@@ -154,14 +154,8 @@ class RolloutConfig(Section):
         32, ge=1, description="Prompts per step; completions per step = prompts x group_size."
     )
     temperature: float = Field(1.0, gt=0.0, description="Sampling temperature.")
-    top_p: float = Field(
-        1.0,
-        gt=0.0,
-        le=1.0,
-        description="Nucleus sampling. Below 1 the engine's log-probs are renormalised over the nucleus while the "
-        "learner's are over the full vocabulary, so every ratio against them is biased below 1: refused with "
-        "algorithm.old_logprobs=engine.",
-    )
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling. Below 1 the engine's log-probs are "
+        "renormalised over the nucleus, the learner's are not: refused with algorithm.old_logprobs=engine.")  # fmt: skip
     max_new_tokens: int = Field(256, ge=1, description="Maximum tokens per completion.")
     num_engines: int = Field(1, ge=1, description="Rollout engine actors (data-parallel).")
     gpus_per_engine: float = Field(0.0, ge=0.0, description="GPUs per engine actor (0 on CPU).")
