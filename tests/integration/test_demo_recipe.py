@@ -1,6 +1,6 @@
 """The first command a new user runs: `make demo`'s recipe (configs/demo.yaml, the base and data it builds) on one
 seed must reach the target held-out accuracy, with the model reading the image. A change that breaks learning
-fails here, not on a newcomer's machine. About 5 minutes on 2 cores (the slow tier)."""
+fails here, not on a newcomer's machine. About 4 minutes on 2 cores (the slow tier)."""
 
 from __future__ import annotations
 
