@@ -137,9 +137,11 @@ def collate(
             ids = torch.tensor(s.completion_ids, dtype=torch.long)
             input_ids[b, n : n + k] = ids
             comp[b, :k] = ids
-            scored = s.scored()
-            comp_mask[b, :k] = scored.float()
-            samp[b, :k] = torch.tensor(s.sampling_logprobs[:k], dtype=torch.float32).nan_to_num(0.0)
+            lps = torch.tensor(s.sampling_logprobs[:k], dtype=torch.float32)
+            comp_mask[b, :k] = torch.isfinite(
+                lps
+            ).float()  # as `Sequence.scored`: no log-prob, not in the loss
+            samp[b, :k] = lps.nan_to_num(0.0)
         if ep.pixel_values is not None and ep.image_grid_thw is not None:
             grids.append(ep.image_grid_thw)
             key = s.prompt if share_images else -1 - b  # without sharing every row is its own source

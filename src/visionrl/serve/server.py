@@ -144,7 +144,8 @@ def prepare_server(
 
     `api_key` (default $VLLM_API_KEY) protects every route but the health probes (completions, models,
     run-time adapter load/unload, /invocations, /metrics); it reaches vLLM through its environment, not its
-    command line, which any local user can read. Binding a non-loopback `host` without a key is refused unless `allow_insecure`."""
+    command line, which any local user can read. Binding a non-loopback `host` without a key is refused unless
+    `allow_insecure`."""
     key = api_key_from_env(api_key)
     check_exposure(host, key, allow_insecure)
     served = [

@@ -17,7 +17,7 @@ import torch
 
 from visionrl.errors import InputError
 from visionrl.models.loader import lora_param_groups
-from visionrl.train.ranks import full_optimizer_state, full_tensor, load_sharded_state
+from visionrl.train.ranks import adapter_file_key, full_optimizer_state, full_tensor, load_sharded_state
 from visionrl.types import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterPayload
 
 # `learner` below is a visionrl.train.learner.Learner (not imported: that module imports this one).
@@ -103,11 +103,7 @@ def load_trainer_state(learner: Learner, adapter_dir: Path, trainer_state: bytes
 def check_adapter_fits(model: torch.nn.Module, weights: dict[str, torch.Tensor], adapter_dir: Path) -> None:
     """Raise InputError unless `weights` (peft's file names) are exactly the model's trainable LoRA weights: a
     checkpoint of another LoRA layout would otherwise load partly and train on from half-initialised weights."""
-    expected = {
-        name.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")
-        for name, p in model.named_parameters()
-        if p.requires_grad
-    }
+    expected = {adapter_file_key(name) for name, p in model.named_parameters() if p.requires_grad}
     missing, unexpected = sorted(expected - weights.keys()), sorted(weights.keys() - expected)
     if missing or unexpected:
         raise InputError(

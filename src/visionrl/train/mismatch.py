@@ -79,7 +79,7 @@ def abs_diff_sums(seqs: list[Sequence], rows: list[int], store: dict[int, torch.
         k = len(seqs[r].completion_ids)
         if k:
             samp = torch.tensor(seqs[r].sampling_logprobs[:k], dtype=torch.float32)
-            scored = seqs[r].scored()  # tokens without a sampling log-prob have nothing to compare
+            scored = torch.isfinite(samp)  # tokens without a sampling log-prob have nothing to compare
             diff = (store[r][:k] - samp).abs()[scored]
             local += torch.tensor([float(diff.sum()), int(scored.sum())], dtype=torch.float64)
     return local

@@ -47,19 +47,16 @@ class RankGroup:
 
     def sum_(self, t: torch.Tensor) -> torch.Tensor:
         """`t` summed over the ranks, in place (and returned)."""
-        if self.world > 1:
-            on = _comm_device()
-            buf = t.to(on)
-            torch.distributed.all_reduce(buf, op=torch.distributed.ReduceOp.SUM)
-            if buf is not t:
-                t.copy_(buf)
-        return t
+        return self._all_reduce(t, torch.distributed.ReduceOp.SUM)
 
     def max_(self, t: torch.Tensor) -> torch.Tensor:
         """`t`'s elementwise maximum over the ranks, in place (and returned)."""
+        return self._all_reduce(t, torch.distributed.ReduceOp.MAX)
+
+    def _all_reduce(self, t: torch.Tensor, op: Any) -> torch.Tensor:
         if self.world > 1:
             buf = t.to(_comm_device())
-            torch.distributed.all_reduce(buf, op=torch.distributed.ReduceOp.MAX)
+            torch.distributed.all_reduce(buf, op=op)
             if buf is not t:
                 t.copy_(buf)
         return t
@@ -182,6 +179,11 @@ def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimize
     return get_optimizer_state_dict(model, optimizer, options=options)
 
 
+def adapter_file_key(name: str) -> str:
+    """The name of a LoRA parameter (`...lora_A.default.weight`) in peft's adapter file (`...lora_A.weight`)."""
+    return name.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")
+
+
 def load_sharded_state(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -195,7 +197,7 @@ def load_sharded_state(
 
     with torch.no_grad():
         for name, p in model.named_parameters():
-            key = name.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")
+            key = adapter_file_key(name)
             if p.requires_grad and key in weights:
                 full = weights[key].to(device=p.device, dtype=p.dtype)
                 mesh = getattr(p, "device_mesh", None)
