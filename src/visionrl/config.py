@@ -18,6 +18,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from visionrl.config_algorithm import AlgorithmConfig
 from visionrl.config_placement import PlacementPlan, plan_placement
 from visionrl.config_ray import RayConfig
+from visionrl.config_rollout import RolloutConfig
 from visionrl.config_yaml import ConfigError, Section, UniqueKeyLoader, apply_overrides
 from visionrl.data.images import DEFAULT_MAX_IMAGES, DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS
 from visionrl.rewards.registry import RewardConfigError, RewardSpec, resolve_reward
@@ -142,67 +143,6 @@ class DataConfig(Section):
             raise ValueError(
                 f"data.min_pixels={self.min_pixels} is above data.max_pixels={self.max_pixels}; images are "
                 "resized into [min_pixels, max_pixels], so set min_pixels <= max_pixels"
-            )
-        return self
-
-
-class RolloutConfig(Section):
-    engine: Literal["vllm", "hf"] = Field(
-        "vllm", description="Rollout engine: vLLM (default) or transformers generate."
-    )
-    prompts_per_step: int = Field(
-        32, ge=1, description="Prompts per step; completions per step = prompts x group_size."
-    )
-    temperature: float = Field(1.0, gt=0.0, description="Sampling temperature.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling. Below 1 the engine's log-probs are "
-        "renormalised over the nucleus, the learner's are not: refused with algorithm.old_logprobs=engine.")  # fmt: skip
-    max_new_tokens: int = Field(256, ge=1, description="Maximum tokens per completion.")
-    num_engines: int = Field(1, ge=1, description="Rollout engine actors (data-parallel).")
-    gpus_per_engine: float = Field(0.0, ge=0.0, description="GPUs per engine actor (0 on CPU).")
-    gpu_memory_utilization: float = Field(
-        0.5, gt=0.0, le=1.0, description="vLLM: share of GPU memory for the engine."
-    )
-    max_model_len: int = Field(4096, ge=64, description="vLLM: longest prompt + completion.")
-    enforce_eager: bool = Field(False, description="vLLM: no CUDA graphs (faster start, slower decode).")
-    kv_cache_gib: float = Field(
-        1.0, gt=0.0, description="vLLM CPU: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE)."
-    )
-    max_logprob_diff: float = Field(
-        0.2,
-        gt=0.0,
-        description="Largest mean |engine - learner| log-prob per token (the same tokens under the same adapter "
-        "version, before the update) before a warning; max_logprob_diff_steps such steps in a row stop the run: "
-        "the engine is not sampling the policy being trained. Measured: 0.04 in bf16 on an H200, 1e-6 in float32.",
-    )
-    max_logprob_diff_steps: int = Field(
-        3, ge=1, description="Consecutive steps over max_logprob_diff that stop the run with an error."
-    )
-    sleep_during_update: bool = Field(
-        False,
-        description="vLLM on GPUs: put the engines to sleep (KV cache freed, weights to CPU memory) while the "
-        "learner updates, so a colocated learner can use that memory; woken before the adapter sync.",
-    )
-    async_steps: int = Field(
-        0,
-        ge=0,
-        le=1,
-        description="0: synchronous steps. 1: one-step-off rollouts: the engines generate (and the reward workers "
-        "score) the next step's batch with the adapter they hold while the learner trains this step, so each "
-        "batch is at most one adapter version old (rollout/staleness). What accounts for that gap is the old "
-        "policy: with algorithm.old_logprobs=engine (recommended) the ratio is taken against the sampling "
-        "policy itself; with old_logprobs=learner the clip is centred on the learner's current policy and only "
-        "the rollout correction weights the gap, so that pairing with rollout_correction=off is refused. "
-        "Overlaps only where engines and learner do not share a device (split placement, CPUs).",
-    )
-
-    @model_validator(mode="after")
-    def validate_async_without_sleep(self) -> RolloutConfig:
-        if self.async_steps and self.sleep_during_update:
-            raise ValueError(
-                f"rollout.async_steps={self.async_steps} has the engines generate the next batch while the learner "
-                "trains, but rollout.sleep_during_update puts them to sleep during the update; set "
-                "rollout.sleep_during_update=false (and give engines their own GPUs: ray.placement=split), or "
-                "rollout.async_steps=0"
             )
         return self
 

@@ -82,7 +82,8 @@ class AlgorithmConfig(Section):
     correction_mode: Literal["truncate", "mask"] = Field(
         "truncate",
         description="truncate: weights capped at correction_threshold (truncated IS); mask: tokens whose weight "
-        "lies outside [correction_lower, correction_threshold] are left out of the loss.",
+        "lies outside [correction_lower, correction_threshold] are left out of the loss and of its normalisers "
+        "(decided before the update, from one no-grad pass of the learner over every row).",
     )
     correction_threshold: float = Field(2.0, gt=1.0, description="Upper bound of the correction weights.")
     correction_lower: float = Field(0.5, gt=0.0, lt=1.0, description="correction_mode mask: the lower bound.")

@@ -18,6 +18,9 @@ from pathlib import Path
 FAULTS = {
     "ignore_adapters": "engines accept every adapter but never apply one (a target layout the engine skips)",
     "drop_adapter_syncs": "engines acknowledge new adapter versions after the first without loading them",
+    "skip_merger_lora": "engines apply every adapter without its merger (vision tower) LoRA",
+    "misscale_adapters": "engines apply every adapter with twice its LoRA B (a scale read differently)",
+    "fail_engine_batch": "vLLM engines fail internally in the first batch of their 2nd sampling call (and rebuild)",
     "kill_engine": "once: rollout engine 0 exits (as if killed) on its 2nd generate call",
     "freeze_engine": "once: rollout engine 0 stops itself (SIGSTOP: a hung engine or collective) on its 2nd "
     "generate call",

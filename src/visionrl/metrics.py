@@ -66,6 +66,8 @@ TIMING_PHASES: tuple[str, ...] = (TIMING_ROLLOUT, TIMING_REWARD, TIMING_UPDATE, 
 THROUGHPUT = "throughput/tokens_per_s"
 EVAL_ACCURACY = "eval/accuracy"
 LOGPROB_DIFF = "rollout/logprob_diff"  # engine vs learner log-prob mismatch of the same tokens
+# the largest over engines of the fingerprint mismatch after the sync (orchestrate.delivery)
+FINGERPRINT_DIFF = "rollout/fingerprint_diff"
 ADAPTER_VERSION = "rollout/adapter_version"
 # learner's adapter version at the update minus the version that sampled the batch (mean over its sequences):
 # 0 synchronous, 1 with rollout.async_steps=1

@@ -83,6 +83,17 @@ class AdapterPayload:
     files: dict[str, bytes]
 
 
+@dataclass
+class ProbeResult:
+    """What a probe adapter did to an engine's greedy output on the probe prompts (`RolloutEngine.probe`)."""
+
+    tokens_changed: int  # prompts whose first greedy token changed
+    largest_change: float  # largest |log-prob change| of a first greedy token that stayed the same (nats)
+    completions: list[
+        list[Completion]
+    ]  # the greedy completions with the probe adapter, for the learner to score
+
+
 class RolloutEngine(Protocol):
     """What the loop needs from a rollout engine (vLLM in production, transformers generate as fallback)."""
 
@@ -99,9 +110,13 @@ class RolloutEngine(Protocol):
         """The adapter version this engine serves (0 = base model)."""
         ...
 
-    def probe(self, payload: AdapterPayload, prompts: list[PromptItem]) -> float:
-        """Largest greedy log-prob change `payload` makes against the version served (inf: a token changed;
-        0: the adapter does not reach the model). The served version stays as it was."""
+    def probe(self, payload: AdapterPayload, prompts: list[PromptItem]) -> ProbeResult:
+        """Greedy completions of `prompts` (at most 4 tokens) with `payload`, and how far they moved from those
+        of the version served (no change: the adapter does not reach the model). The served version stays."""
+        ...
+
+    def rebuilds(self) -> int:
+        """How often the engine was rebuilt after an internal error so far (each rebuild is probed again)."""
         ...
 
     def sleep(self) -> None:

@@ -74,8 +74,14 @@ def test_colocated_loop_with_vllm_at_8b_shape(
     assert [h["rollout/adapter_version"] for h in result.history] == [0.0, 1.0]
     if sleep:
         assert all(h["timing/engine_sleep_s"] > 0 and h["timing/engine_wake_s"] > 0 for h in result.history)
+    # the start-up probe per adapter part and the fingerprints after each sync, for the record (bf16)
+    log = (tmp_path / "run" / "visionrl.log").read_text()
+    print("\n".join(line for line in log.splitlines() if "engine 0, " in line or "delivery" in line))
+    print("fingerprint diffs", [h["rollout/fingerprint_diff"] for h in result.history])
+    print("rollout logprob diffs", [h["rollout/logprob_diff"] for h in result.history])
     # the engine sampled with the adapter the learner computed the same tokens with (bf16)
     assert all(h["rollout/logprob_diff"] < 0.05 for h in result.history), result.history
+    assert all(h["rollout/fingerprint_diff"] < 0.05 for h in result.history), result.history
     assert all(h["learner/peak_mem_gib"] > 17 for h in result.history)  # the 8B weights alone are 16.6 GiB
     assert (result.adapter_dir / "visionrl_manifest.json").is_file()
 
@@ -122,6 +128,24 @@ def test_learner_and_engine_agree_after_syncing_a_nonzero_adapter(model_8b: Path
     off = (base_lp - engine_lp).abs().mean().item()
     assert same < 0.05, (same, off)
     assert off > 10 * same, (same, off)
+
+    # The start-up probe, one adapter part at a time, as the loop runs it: each part moves the engine's greedy
+    # output and the learner computes the engine's log-probs of those tokens well inside the probe's effect.
+    from visionrl.orchestrate.delivery import PartProbe, diffs_by_engine, effects_by_engine, scoring_batch
+
+    for part in learner.probe_parts():
+        result = engine.probe(learner.probe_payload(part), prompts)
+        probe_batch, owners = scoring_batch(prompts, [result.completions])
+        probed, own = learner.probe_logprobs(part, probe_batch)
+        probe = PartProbe(
+            0,
+            part,
+            result,
+            diffs_by_engine(probe_batch, owners, probed, 1)[0],
+            effects_by_engine(owners, probed, own, 1)[0],
+        )
+        print("probe:", probe.describe())
+        assert probe.moved and probe.agrees(0.2), probe.describe()
 
     # Sampling noise through the engine seed (no per-request seeds): the same prompt twice in one batch draws
     # different samples, the step's seed reproduces their noise, another seed does not. Only the first token is

@@ -3,6 +3,7 @@ engines that ignore adapters or silently drop syncs (fault injection inside the 
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -46,26 +47,62 @@ def fault(request: pytest.FixtureRequest) -> Iterator[str]:
         os.environ["VISIONRL_FAULTS"] = old
 
 
-@pytest.mark.parametrize("fault", ["ignore_adapters"], indirect=True)
-@pytest.mark.parametrize("engine", ["vllm", "hf"])
-def test_an_engine_that_ignores_adapters_stops_the_run_at_start(
-    tiny_model: Path, color_data: Path, tmp_path: Path, shared_ray, fault: str, engine: str
+@pytest.mark.parametrize(
+    ("fault", "engine", "ignored", "apart"),
+    [
+        # no part reaches the engine
+        ("ignore_adapters", "vllm", ["language model", "merger"], []),
+        # the language model's LoRA reaches it, the merger's does not: a whole-adapter probe passed this
+        ("skip_merger_lora", "vllm", ["merger"], []),
+        # both parts change the output, by twice as much as the learner's
+        ("misscale_adapters", "hf", [], ["language model", "merger"]),
+    ],
+    indirect=["fault"],
+)
+def test_an_engine_that_misapplies_a_part_stops_the_run_at_start(
+    tiny_model: Path,
+    color_data: Path,
+    tmp_path: Path,
+    shared_ray,
+    fault: str,
+    engine: str,
+    ignored: list[str],
+    apart: list[str],
 ) -> None:
     from visionrl.orchestrate.loop import train
 
-    with pytest.raises(RunError, match=r"rollout engine\(s\) \[0\] ignore the LoRA adapter") as err:
+    with pytest.raises(RunError, match=r"rollout engine\(s\) \[0\] do not apply the LoRA adapter") as err:
         train(_cfg(tiny_model, color_data, tmp_path / "run", engine))
-    assert "tower-connector" in str(err.value) and "max_lora_rank" in str(err.value)
+    text = str(err.value)
+    named = [line for line in text.splitlines() if line.startswith("- engine 0")]
+    assert len(named) == len(ignored) + len(apart), text  # the parts applied right are not named
+    for part in ignored:
+        assert f"the engine ignores the {part} LoRA" in text
+    if "merger" in ignored:
+        assert "tower-connector LoRA" in text
+    for part in apart:
+        assert any(
+            line.startswith(f"- engine 0, {part}:") and "over rollout.max_logprob_diff" in line
+            for line in named
+        )
+        assert "lora.alpha / lora.rank" in text
     assert not (tmp_path / "run" / "history.jsonl").exists()  # stopped before the first step
 
 
-@pytest.mark.parametrize("fault", ["drop_adapter_syncs"], indirect=True)
-def test_silently_dropped_syncs_stop_the_run_and_say_why(
-    tiny_model: Path, color_data: Path, tmp_path: Path, shared_ray, fault: str
+@pytest.mark.parametrize("fault", ["drop_adapter_syncs,fail_engine_batch"], indirect=True)
+def test_silently_dropped_syncs_stop_the_run_and_name_the_engine(
+    tiny_model: Path,
+    color_data: Path,
+    tmp_path: Path,
+    shared_ray,
+    fault: str,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """The engine loads version 1, then acknowledges versions 2, 3, ... without loading them. Steps 1-2 sample
-    with the learner's version (mismatch about 1e-6 in float32); from step 3 on the engine serves version 1 while
-    the learner is at 2, 3, ...: the mismatch rises over the threshold and two such steps stop the run."""
+    """The engine loads version 1, then acknowledges versions 2, 3, ... without loading them. The fingerprint
+    after the first sync agrees (about 1e-6 in float32); from the sync of version 2 on the engine serves
+    version 1 while the learner scores with 2, 3, ...: the gap grows with every update, and two syncs in a row
+    over the bound stop the run, naming the engine. On the way, the engine fails internally in step 2's
+    rollout and rebuilds itself: it is probed again before its next rollout, and passes."""
     import json
 
     from visionrl.orchestrate.loop import train
@@ -77,10 +114,17 @@ def test_silently_dropped_syncs_stop_the_run_and_say_why(
         "vllm",
         rollout={"max_logprob_diff": 0.01, "max_logprob_diff_steps": 2},
     )
-    with pytest.raises(RunError, match="not sampling the policy being trained") as err:
+    with (
+        caplog.at_level(logging.INFO),
+        pytest.raises(
+            RunError, match="rollout engine 0 does not serve the adapter the learner sent it"
+        ) as err,
+    ):
         train(cfg)
-    assert "rollout.max_logprob_diff=0.01" in str(err.value)
+    assert "rollout engine(s) [0] rebuilt after an internal error: adapter delivery verified" in caplog.text
+    assert "over rollout.max_logprob_diff=0.01, 2 syncs in a row" in str(err.value)
     history = [json.loads(line) for line in (tmp_path / "run" / "history.jsonl").read_text().splitlines()]
-    diffs = [h["rollout/logprob_diff"] for h in history]
-    assert diffs[0] < 1e-3 and diffs[1] < 1e-3, diffs  # versions 0 and 1 really reached the engine
-    assert len(history) < 8 and all(d > 0.01 for d in diffs[-1:]), diffs
+    prints = [h["rollout/fingerprint_diff"] for h in history]
+    assert prints[0] < 1e-3, prints  # version 1 really reached the engine
+    assert len(history) < 8 and prints[-1] > 0.01, prints
+    assert prints == sorted(prints), prints  # the served version stays behind by one more update each step

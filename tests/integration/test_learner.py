@@ -430,6 +430,28 @@ def test_a_token_without_a_sampling_logprob_leaves_the_loss_not_the_update(
 
 
 @pytest.mark.slow
+def test_tokens_the_correction_masks_leave_the_token_mean_denominator(
+    tiny_model: Path, color_data: Path
+) -> None:
+    """correction_mode mask with the learner's old policy: the engine agrees with the learner (weight 1) except
+    on two tokens, one at weight e^-3 (under correction_lower 0.5) and one at e (over the threshold 2). Both
+    leave the loss and its normaliser: 12 of 14 tokens, on-policy loss -sum(A) / 12 over them, A = +1 on rows
+    0, 2, 4 (2 + 3 + 2 tokens), -1 on rows 1, 3, 5 (1 + 2 + 2): -2 / 12. Before, the masked tokens had weight
+    0 but stayed in the denominator: -2 / 14."""
+    algo = {"old_logprobs": "learner", "rollout_correction": "token", "correction_mode": "mask"}
+    learner = Learner(_cfg(tiny_model, color_data, algorithm=algo), device="cpu")
+    batch = _batch(learner, color_data)
+    for seq, lps in zip(batch.sequences, learner.logprobs(batch), strict=True):
+        seq.sampling_logprobs = list(lps)
+    batch.sequences[2].sampling_logprobs[1] += 3.0  # weight learner / engine = e^-3
+    batch.sequences[4].sampling_logprobs[0] -= 1.0  # weight e
+    metrics = learner.train_step(batch)
+    assert metrics["learner/tokens"] == 12
+    assert metrics["loss/policy"] == pytest.approx(-2 / 12, abs=1e-5)
+    assert metrics["rollout/correction_clipped_fraction"] == pytest.approx(2 / 14)
+
+
+@pytest.mark.slow
 def test_a_checkpoint_of_another_lora_layout_is_refused_and_rng_restored(
     tiny_model: Path, color_data: Path, tmp_path: Path
 ) -> None:

@@ -136,7 +136,7 @@ def test_two_engines_take_whole_groups_and_serve_every_adapter_version(
     with ray_session(cfg.ray):
         workers = Workers(*start_actors(cfg), cfg)
         try:
-            changes = workers.verify_delivery(prompts)
+            probes = workers.verify_delivery(prompts)
             groups = workers.rollout(prompts, spec)
             # 3 prompts over 2 engines: prompts 0-1 to engine 0, prompt 2 to engine 1
             direct = ray.get(
@@ -145,13 +145,19 @@ def test_two_engines_take_whole_groups_and_serve_every_adapter_version(
                     workers.engines[1].generate.remote(prompts[2:], _engine_spec(spec, 1)),
                 ]
             )
-            versions = [
-                workers.sync_adapter(),
-                *ray.get([e.adapter_version.remote() for e in workers.engines]),
-            ]
+            synced = workers.sync_adapter()
+            versions = [synced.version, *ray.get([e.adapter_version.remote() for e in workers.engines])]
         finally:
             workers.close()
-    assert len(changes) == 2 and min(changes) > 1e-4
+    # each engine, each adapter part: moved by the probe, and scored alike by the learner (float32)
+    assert [(p.engine, p.part) for p in probes] == [
+        (0, "language model"),
+        (1, "language model"),
+        (0, "merger"),
+        (1, "merger"),
+    ]
+    assert all(p.moved and p.diff < 1e-4 < p.effect for p in probes), [p.describe() for p in probes]
+    assert len(synced.fingerprint_diffs) == 2 and max(synced.fingerprint_diffs) < 1e-4
     assert [len(g) for g in groups] == [2, 2, 2]
     assert [[c.token_ids for c in g] for g in groups] == [
         [c.token_ids for c in g] for g in direct[0] + direct[1]

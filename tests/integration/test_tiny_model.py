@@ -380,6 +380,20 @@ def test_vllm_serves_the_tiny_model_with_lm_and_merger_lora(tiny_model: Path, tm
         for payload in payloads:
             assert engine.load_adapter(payload) == payload.version
             outputs[f"v{payload.version}"] = engine.generate(prompts, spec)
+        # An internal error in a batch: the old engine is shut down first, a new one built with the adapter it
+        # served, and the batch retried once; the rebuild is counted (the loop probes a rebuilt engine again).
+        old, shut = engine._llm, []
+        core = old.llm_engine.engine_core
+        stop = core.shutdown
+        core.shutdown = lambda *args, **kwargs: (shut.append(True), stop(*args, **kwargs))
+
+        def failing(*args: Any, **kwargs: Any) -> None:
+            raise RuntimeError("injected: the engine core died")
+
+        old.generate = failing
+        assert engine.rebuilds() == 0
+        outputs["rebuilt"] = engine.generate(prompts, spec)
+        assert shut == [True] and engine.rebuilds() == 1 and engine._llm is not old
     finally:
         engine.close()
 
@@ -390,9 +404,10 @@ def test_vllm_serves_the_tiny_model_with_lm_and_merger_lora(tiny_model: Path, tm
             completion = group[0]
             assert 1 <= len(completion.token_ids) <= 8
             assert not set(completion.token_ids) & set(forbidden)  # vision tokens are never sampled
-            assert completion.adapter_version == {"base": 0, "v1": 1, "v2": 2}[key]
+            assert completion.adapter_version == {"base": 0, "v1": 1, "v2": 2, "rebuilt": 2}[key]
     assert tokens["v1"] != tokens["base"]
     assert tokens["v2"] != tokens["base"] and tokens["v2"] != tokens["v1"]
+    assert tokens["rebuilt"] == tokens["v2"]  # the rebuilt engine serves the adapter it served before
     # Greedy tokens equal transformers + peft for the base and for the merger-only adapter (fp32).
     assert tokens["base"] == hf_greedy(base, processor, forbidden, 8)
     assert tokens["v2"] == hf_greedy(merger, processor, forbidden, 8)

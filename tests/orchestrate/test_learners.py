@@ -53,6 +53,8 @@ def test_every_method_goes_to_every_rank_and_rank_0_answers(waits: list) -> None
         group.save(),
         group.load(Path("/ckpt/adapter"), b"state"),
         group.logprobs(batch, adapter=False),
+        group.probe_parts(),
+        group.probe_logprobs("merger", batch),
     ]
     assert results == [
         "result of train_step on rank 0",
@@ -60,26 +62,43 @@ def test_every_method_goes_to_every_rank_and_rank_0_answers(waits: list) -> None
         "result of save on rank 0",
         None,  # load returns nothing
         "result of logprobs on rank 0",
+        "result of probe_parts on rank 0",
+        "result of probe_logprobs on rank 0",
     ]
     phases = [(phase, timeout, key) for _, phase, timeout, key in waits]
-    assert phases == [(p, 30.0, CALL_KEY) for p in ("update", "export", "checkpoint", "resume", "log-probs")]
+    expected = (
+        "update",
+        "export",
+        "checkpoint",
+        "resume",
+        "log-probs",
+        "the adapter probe",
+        "the adapter probe",
+    )
+    assert phases == [(p, 30.0, CALL_KEY) for p in expected]
     for calls, *_ in waits:  # every rank, in rank order, with the same arguments
         assert [(c.role, c.index) for c in calls] == [(LEARNER, 0), (LEARNER, 1), (LEARNER, 2)]
         assert len({(c.ref[1], c.ref[2]) for c in calls}) == 1
-    assert [waits[i][0][0].ref[2] for i in range(5)] == [
+    assert [waits[i][0][0].ref[2] for i in range(7)] == [
         (batch,),
         (False,),
         (),
         ("/ckpt/adapter", b"state"),
-        (batch, False),
+        (batch, False, None),
+        (),
+        ("merger", batch),
     ]
 
 
 def test_a_pending_payload_is_rank_0s_ref_and_every_ranks_call_unwaited(waits: list) -> None:
     group = LearnerGroup([_Rank(0), _Rank(1)], timeout_s=30.0)
-    payload, probe = group.adapter_payload_pending(), group.probe_payload_pending()
+    payload, probe = group.adapter_payload_pending(), group.probe_payload_pending("language model")
     assert waits == []  # nothing waited for: the engines' calls join these
-    assert payload.ref == (0, "adapter_payload", (True,)) and probe.ref == (0, "probe_payload", ())
+    assert payload.ref == (0, "adapter_payload", (True,)) and probe.ref == (
+        0,
+        "probe_payload",
+        ("language model",),
+    )
     assert [c.ref for c in payload.calls] == [
         (0, "adapter_payload", (True,)),
         (1, "adapter_payload", (True,)),

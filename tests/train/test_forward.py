@@ -81,6 +81,23 @@ def test_completion_stats_temperature_and_gradient_through_chunks() -> None:
     assert values[0][2].abs().sum() == 0 and grads[0][2].abs().sum() == 0  # the masked row takes no part
 
 
+@pytest.mark.parametrize("chunk", [0, 2])
+def test_entropy_carries_a_gradient_only_when_it_is_trained(chunk: int) -> None:
+    torch.manual_seed(1)
+    hidden = torch.randn(2, 5, 4, requires_grad=True)
+    head = torch.nn.Linear(4, 6, bias=False)
+    ids, mask, starts = torch.randint(0, 6, (2, 3)), torch.ones(2, 3), torch.tensor([2, 2])
+    kw = {"temperature": 1.0, "forbidden": torch.tensor([]), "chunk_tokens": chunk}
+    lp, ent = completion_stats(hidden, head, ids, mask, starts, entropy_grad=False, **kw)
+    lp_t, ent_t = completion_stats(hidden, head, ids, mask, starts, entropy_grad=True, **kw)
+    assert lp.requires_grad and not ent.requires_grad and ent_t.requires_grad
+    torch.testing.assert_close(ent, ent_t.detach(), rtol=0, atol=0)  # the same value, reported
+    torch.testing.assert_close(lp, lp_t, rtol=0, atol=0)
+    assert ent.min() > 0 and ent.max() < math.log(6)
+    (g,) = torch.autograd.grad(ent_t.sum(), hidden)
+    assert g.abs().sum() > 0  # trained: the bonus has a gradient
+
+
 def test_share_plan_maps_every_image_token_to_its_encoded_copy() -> None:
     # Two distinct prompts: A with one 1x4x4 grid (4 merged tokens at merge 2), B with one 1x2x4 grid (2 tokens).
     # Rows use images A, A, B, A: the encoded tokens are A = [0..3], B = [4, 5].

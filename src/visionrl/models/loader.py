@@ -153,13 +153,36 @@ def apply_lora(model: PreTrainedModel, cfg: LoraConfig, seed: int = 0) -> Any:
     return get_peft_model(model, peft_cfg)
 
 
+def in_vision_tower(name: str) -> bool:
+    """Whether a parameter name lies in the vision tower module (`model.visual`: the merger's LoRA)."""
+    return ".visual." in name or name.startswith("visual.") or "model.visual" in name
+
+
+def checkpoint_layers(model: Any, count: int | None) -> None:
+    """Recompute activations in backward for the first `count` decoder layers of a peft model (all when None):
+    each one checkpointed saves its activations' memory and costs one more forward of that layer."""
+    # Non-reentrant checkpointing needs no `enable_input_require_grads` (that would also make backward
+    # compute gradients of the input embeddings, which nothing trains).
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    layers = model.get_base_model().model.language_model.layers
+    if count is None:
+        return
+    if count > len(layers):
+        raise ValueError(
+            f"model.checkpoint_layers={count} exceeds the model's {len(layers)} decoder layers; "
+            f"set at most {len(layers)}, or null for all"
+        )
+    for layer in layers[count:]:
+        layer.gradient_checkpointing = False
+
+
 def lora_param_groups(model: Any, lr: float, merger_lr: float | None, lm_head_lr: float | None) -> list[dict]:
     """Optimizer parameter groups: language model LoRA, merger LoRA and lm_head LoRA may use their own rates."""
     groups: dict[str, list] = {"lm": [], "merger": [], "lm_head": []}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        if ".visual." in name or name.startswith("visual.") or "model.visual" in name:
+        if in_vision_tower(name):
             groups["merger"].append(p)
         elif f"{LM_HEAD}." in name:
             groups["lm_head"].append(p)

@@ -54,12 +54,18 @@ class Sequence:
     advantage: float
     sampling_logprobs: list[float]
     adapter_version: int | None = None  # the version that sampled it (None: the learner's current one)
+    # tokens the rollout correction's mask mode leaves out of the loss (None: none), set before the update
+    masked: list[bool] | None = None
 
     def scored(self) -> torch.Tensor:
-        """[k] bool: the completion tokens with a finite sampling log-prob. A token the engine returned none for
-        (NaN) stays in the context but leaves the loss: as the old policy it would make the whole update NaN."""
+        """[k] bool: the completion tokens in the loss (and in its normalisers): those with a finite sampling
+        log-prob and not `masked`. A token the engine returned none for (NaN) stays in the context but leaves
+        the loss: as the old policy it would make the whole update NaN."""
         k = len(self.completion_ids)
-        return torch.isfinite(torch.tensor(self.sampling_logprobs[:k], dtype=torch.float32))
+        keep = torch.isfinite(torch.tensor(self.sampling_logprobs[:k], dtype=torch.float32))
+        if self.masked is not None:
+            keep &= ~torch.tensor(self.masked[:k], dtype=torch.bool)
+        return keep
 
 
 @dataclass
@@ -78,6 +84,13 @@ class MicroBatch:
     num_tokens: int  # real completion tokens (the mask's sum)
     sequence_tokens: int  # real prompt (image tokens included) + completion tokens
     image_share: ImageShare | None = None  # set when rows share images (pixel_values holds each once)
+
+    def rows_of(self, store: dict[int, torch.Tensor]) -> torch.Tensor:
+        """[B, T]: each row's per-token values from `store` (sequence index -> [k]), cut or zero-padded to T."""
+        T = self.completion_ids.shape[1]
+        return torch.stack(
+            [torch.nn.functional.pad(store[r][:T], (0, max(0, T - len(store[r])))) for r in self.rows]
+        )
 
 
 def without_tokens(seqs: list[Sequence], token_ids: set[int]) -> tuple[list[Sequence], int]:
@@ -138,9 +151,7 @@ def collate(
             input_ids[b, n : n + k] = ids
             comp[b, :k] = ids
             lps = torch.tensor(s.sampling_logprobs[:k], dtype=torch.float32)
-            comp_mask[b, :k] = torch.isfinite(
-                lps
-            ).float()  # as `Sequence.scored`: no log-prob, not in the loss
+            comp_mask[b, :k] = s.scored().float()  # no log-prob, or masked by the correction: not in the loss
             samp[b, :k] = lps.nan_to_num(0.0)
         if ep.pixel_values is not None and ep.image_grid_thw is not None:
             grids.append(ep.image_grid_thw)

@@ -30,7 +30,7 @@ from visionrl.rewards import RewardSpec, build_reward_fn
 from visionrl.rollout.factory import make_engine
 from visionrl.rollout.scratch import process_alive
 from visionrl.train.learner_state import LearnerState
-from visionrl.types import AdapterPayload, Completion, PromptItem, SamplingSpec
+from visionrl.types import AdapterPayload, Completion, ProbeResult, PromptItem, SamplingSpec
 
 if TYPE_CHECKING:
     from visionrl.train.learner import Learner, TrainBatch
@@ -175,9 +175,19 @@ class LearnerActor:
         """The current adapter: in the engines' dtype, or (`for_engine=False`) in full precision."""
         return self._rank0("adapter_payload", lambda learner: learner.adapter_payload(for_engine))
 
-    def probe_payload(self) -> AdapterPayload | None:
-        """A random non-zero adapter of this run's layout, for the engines' start-up probe."""
-        return self._rank0("probe_payload", lambda learner: learner.probe_payload())
+    def probe_parts(self) -> list[str] | None:
+        return self._rank0("the adapter probe", lambda learner: learner.probe_parts())
+
+    def probe_payload(self, part: str) -> AdapterPayload | None:
+        """The probe adapter of `part` (random B on that part's LoRA only), for the engines' probe."""
+        return self._rank0("the adapter probe", lambda learner: learner.probe_payload(part))
+
+    def probe_logprobs(
+        self, part: str, batch: TrainBatch
+    ) -> tuple[list[list[float]], list[list[float]]] | None:
+        """Log-probs of the engines' greedy probe completions under the probe adapter of `part`, and under the
+        learner's own weights."""
+        return self._rank0("the adapter probe", lambda learner: learner.probe_logprobs(part, batch))
 
     def save(self) -> LearnerState | None:
         """What a checkpoint keeps: the adapter in full precision and the trainer state."""
@@ -193,9 +203,11 @@ class LearnerActor:
         """Restore the adapter in `adapter_dir` (a checkpoint's) and the trainer state saved with it."""
         self._rank0("load", lambda learner: learner.load_state(adapter_dir, trainer_state))
 
-    def logprobs(self, batch: TrainBatch, adapter: bool = True) -> list[list[float]] | None:
+    def logprobs(
+        self, batch: TrainBatch, adapter: bool = True, temperature: float | None = None
+    ) -> list[list[float]] | None:
         """Log-probs of every sequence's completion tokens, with the adapter or the base model."""
-        return self._rank0("logprobs", lambda learner: learner.logprobs(batch, adapter))
+        return self._rank0("logprobs", lambda learner: learner.logprobs(batch, adapter, temperature))
 
     def placement(self) -> dict[str, Any]:
         return _placement()
@@ -240,9 +252,17 @@ class RolloutActor:
         with _memory_guard("rollout engine", "the adapter sync", self.cfg):
             return self.engine.load_adapter(payload)
 
-    def probe(self, payload: AdapterPayload, prompts: list[PromptItem]) -> float:
+    def probe(self, payload: AdapterPayload, prompts: list[PromptItem]) -> ProbeResult:
         with _memory_guard("rollout engine", "the adapter probe", self.cfg):
             return self.engine.probe(payload, prompts)
+
+    def fingerprint(self, prompt: PromptItem, max_tokens: int) -> tuple[Completion | None, int]:
+        """The greedy completion of `prompt` under the version served (None if the engine rejects it), and the
+        engine's rebuilds so far. Not a `generate` call: the fault injection's call counts stay as they were."""
+        spec = SamplingSpec(n=1, greedy=True, max_tokens=max_tokens)
+        with _memory_guard("rollout engine", "the adapter fingerprint", self.cfg):
+            groups = self.engine.generate([prompt], spec)
+        return (groups[0][0] if groups and groups[0] else None), self.engine.rebuilds()
 
     def sleep(self) -> None:
         self.engine.sleep()

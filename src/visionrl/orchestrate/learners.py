@@ -62,9 +62,18 @@ class LearnerGroup:
         """The current adapter for the engines, started on every rank."""
         return self._pending(self._start(lambda a: a.adapter_payload.remote(True)))
 
-    def probe_payload_pending(self) -> Pending[AdapterPayload]:
-        """A random non-zero adapter of this run's layout (version -1) for the engines' probe, started."""
-        return self._pending(self._start(lambda a: a.probe_payload.remote()))
+    def probe_parts(self) -> list[str]:
+        """The adapter parts this run has (`train.probe`): each is probed on its own."""
+        return self._wait("the adapter probe", self._start(lambda a: a.probe_parts.remote()))
+
+    def probe_payload_pending(self, part: str) -> Pending[AdapterPayload]:
+        """The probe adapter of `part` (version -1: random B on that part only) for the engines, started."""
+        return self._pending(self._start(lambda a: a.probe_payload.remote(part)))
+
+    def probe_logprobs(self, part: str, batch: TrainBatch) -> tuple[list[list[float]], list[list[float]]]:
+        """Log-probs of the engines' greedy probe completions under the probe adapter of `part`, and under the
+        learner's own weights."""
+        return self._wait("the adapter probe", self._start(lambda a: a.probe_logprobs.remote(part, batch)))
 
     def save(self) -> LearnerState:
         """What a checkpoint keeps: the adapter in full precision and the trainer state."""
@@ -74,9 +83,12 @@ class LearnerGroup:
         """Every rank restores the adapter in `adapter_dir` and the trainer state of a checkpoint."""
         self._wait("resume", self._start(lambda a: a.load.remote(str(adapter_dir), trainer_state)))
 
-    def logprobs(self, batch: TrainBatch, adapter: bool = True) -> list[list[float]]:
-        """Log-probs of every sequence's completion tokens, with the adapter or (`adapter=False`) the base model."""
-        return self._wait("log-probs", self._start(lambda a: a.logprobs.remote(batch, adapter)))
+    def logprobs(
+        self, batch: TrainBatch, adapter: bool = True, temperature: float | None = None
+    ) -> list[list[float]]:
+        """Log-probs of every sequence's completion tokens, with the adapter or (`adapter=False`) the base model,
+        at the sampling temperature unless `temperature` is given (1 for greedy completions)."""
+        return self._wait("log-probs", self._start(lambda a: a.logprobs.remote(batch, adapter, temperature)))
 
     def _start(self, method: Callable[[Any], Any]) -> list[Call]:
         return [Call(method(actor), LEARNER, i) for i, actor in enumerate(self.actors)]

@@ -48,6 +48,7 @@ from visionrl.models.sequences import Sequence
 from visionrl.orchestrate import preemption
 from visionrl.orchestrate.actors import ray_session, start_actors
 from visionrl.orchestrate.collect import Collected, collect, collect_ahead
+from visionrl.orchestrate.delivery import FingerprintWatch, MismatchWatch
 from visionrl.orchestrate.failures import run_error, run_log, stopped
 from visionrl.orchestrate.health import CollapseWatch, RunHealth
 from visionrl.orchestrate.pipeline import Prefetch, warn_about_async_steps
@@ -56,7 +57,7 @@ from visionrl.orchestrate.prompt_stream import PromptStream
 from visionrl.orchestrate.remote import ActorProblem, first_line
 from visionrl.orchestrate.resume import ResumeMode, checkpoint_to_resume
 from visionrl.orchestrate.step_log import StepClock, step_metrics, write_step
-from visionrl.orchestrate.workers import Workers
+from visionrl.orchestrate.workers import Synced, Workers
 from visionrl.rollout.scratch import remove_orphaned_scratch
 from visionrl.run_layout import RunDir
 from visionrl.train.learner import TrainBatch
@@ -173,7 +174,11 @@ class Loop:
         self.tb, self.prefetch = tb, prefetch
         self.G, self.spec, self.clock = cfg.algorithm.group_size, _sampling_spec(cfg), StepClock()
         self.resumed = self.saved = resumed  # the step resumed from (0: none); the newest checkpointed step
-        self.mismatch = MismatchWatch(cfg.rollout.max_logprob_diff, cfg.rollout.max_logprob_diff_steps)
+        r = cfg.rollout  # the engines sample the policy being trained (orchestrate.delivery)
+        self.mismatch = MismatchWatch(r.max_logprob_diff, r.max_logprob_diff_steps, r.max_logprob_diff_ratio)
+        self.fingerprints = FingerprintWatch(
+            r.num_engines, r.max_logprob_diff, r.max_logprob_diff_steps, r.max_logprob_diff_ratio
+        )
         self.health = RunHealth(cfg.train.max_consecutive_skips)
         # warns when exploration has died (entropy and groups with signal near zero below the target)
         self.collapse = CollapseWatch(cfg.algorithm, cfg.train.target_accuracy)
@@ -200,9 +205,10 @@ class Loop:
         with clock("rollout_wait"):  # async: the engines keep their version until the next batch is done
             self.prefetch.wait()
         with clock("sync"):  # 6. sync: the new adapter version to every engine (if there was an update)
-            if stats:
-                self.workers.sync_adapter()
-        m = self._metrics(got, stats, shaping)
+            synced = self.workers.sync_adapter() if stats else None
+        if synced:  # each engine's fingerprint under the version just synced
+            self.fingerprints.check(step, synced.version, synced.fingerprint_diffs)
+        m = self._metrics(got, stats, shaping, synced)
         self.health.after_step(step, stats, got.scores)  # stops a run that trains on nothing
         return self._log_evaluate_save(step, got, m)  # 7. log, maybe evaluate, maybe checkpoint
 
@@ -234,8 +240,12 @@ class Loop:
         """The sampling settings of `step`: its seed reproducible, and distinct per step."""
         return replace(self.spec, seed=self.cfg.train.seed * 100_003 + step)
 
-    def _metrics(self, got: Collected, stats: dict[str, float], shaping: dict[str, float]) -> dict[str, Any]:
+    def _metrics(
+        self, got: Collected, stats: dict[str, float], shaping: dict[str, float], synced: Synced | None
+    ) -> dict[str, Any]:
+        fingerprint = {tags.FINGERPRINT_DIFF: max(synced.fingerprint_diffs)} if synced else {}
         return {
+            **fingerprint,
             **step_metrics(got.rewards, got.completions, got.scores, stats, self.G, int(got.keep.sum())),
             **shaping,
             tags.SAMPLING_ROUNDS: float(got.rounds),
@@ -308,34 +318,6 @@ def _evaluate(workers: Workers, prompts_in: PromptStream, step: int) -> tuple[fl
         return None, RunError(
             f"the evaluation at step {step} failed: {type(cause).__name__}: {first_line(cause)}\nstep {step} "
             "was checkpointed first; fix the cause and continue with `visionrl train CONFIG --resume`"
-        )
-
-
-class MismatchWatch:
-    """Stops a run whose engines do not sample the policy being trained: the mean |engine - learner| log-prob
-    of the same tokens under the same adapter version over `limit` for `steps` steps in a row."""
-
-    def __init__(self, limit: float, steps: int) -> None:
-        self.limit, self.steps, self.over = limit, steps, 0
-
-    def check(self, step: int, diff: float | None) -> None:
-        if diff is None:
-            return
-        self.over = self.over + 1 if diff > self.limit else 0
-        if self.over == 0:
-            return
-        what = (
-            f"step {step}: the engine's sampling log-probs differ from the learner's by {diff:.3g} per token "
-            f"(mean |difference|, same tokens and adapter version), over rollout.max_logprob_diff={self.limit}"
-        )
-        if self.over < self.steps:
-            logger.warning("%s (%d of %d steps in a row allowed)", what, self.over, self.steps)
-            return
-        raise RunError(
-            f"{what} for {self.over} steps in a row: the engines are not sampling the policy being trained, so "
-            "the updates are off-policy by an unknown amount. Likely causes: adapter syncs that do not reach the "
-            "engine (look for LoRA warnings in the engine log), an engine dtype or kernel far from the learner's, "
-            "or sampling settings that differ (temperature). If the gap is expected, raise rollout.max_logprob_diff"
         )
 
 

@@ -124,7 +124,9 @@ _ADVICE = {
     "fix the data or raise the limit named above",
     "reward": "the reward worker itself failed (reward functions' own errors are counted, not raised)",
 }
-_ADVICE["the adapter probe"] = _ADVICE["eval"] = _ADVICE["rollout"]  # the engine generates in these too
+_ADVICE["the adapter probe"] = _ADVICE["the adapter fingerprint"] = _ADVICE["eval"] = _ADVICE[
+    "rollout"
+]  # the engine generates in these too
 
 
 def advice(role: str, phase: str) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -21,6 +21,14 @@ import ray
 from visionrl import metrics as tags
 from visionrl.config import JobConfig
 from visionrl.errors import RunError, StorageError, storage_errors
+from visionrl.orchestrate.delivery import (
+    FINGERPRINT_TOKENS,
+    PartProbe,
+    check_probes,
+    diffs_by_engine,
+    effects_by_engine,
+    scoring_batch,
+)
 from visionrl.orchestrate.failures import resume_hint
 from visionrl.orchestrate.learners import CALL_KEY, LearnerGroup
 from visionrl.orchestrate.prompt_stream import PromptStream
@@ -44,7 +52,6 @@ from visionrl.types import Completion, PromptItem, SamplingSpec
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 ACTOR_RESTARTS_KEY = "actor_restarts"  # in a checkpoint's extra: the restarts the run had used by then
-PROBE_MIN_CHANGE = 1e-4  # a non-zero adapter moves a greedy log-prob by far more; 0 means it was not applied
 ENGINE_SEED_STRIDE = 1_000_003  # engines draw from disjoint seed streams: no two samples share noise
 
 
@@ -75,6 +82,14 @@ class _RemoteEngine:
         )
 
 
+@dataclass(frozen=True)
+class Synced:
+    """An adapter sync: the version the engines serve now, and each engine's fingerprint difference under it."""
+
+    version: int
+    fingerprint_diffs: list[float]
+
+
 def reward_deadline_s(cfg: JobConfig, completions: int) -> float:
     """Deadline of one reward worker's batch: every call may use its full ray.reward_timeout_s (the thread
     runner runs a few at once, so this is generous), plus a margin for starting the process runner's child."""
@@ -94,6 +109,8 @@ class Workers:
         self.engines, self.rewards, self.cfg = engines, rewards, cfg
         self._eval_reward: CombinedReward | None = None
         self.restarts = 0
+        self._probe_prompts: list[PromptItem] = []  # set by verify_delivery
+        self._rebuilds = [0] * len(engines)  # each engine's rebuilds after internal errors, as last seen
 
     def _get(self, calls: list[Call], phase: str, interruptible: bool = False) -> list[Any]:
         return gather(calls, phase, self.cfg.ray.call_timeout_s, CALL_KEY, interruptible)
@@ -146,21 +163,18 @@ class Workers:
             time.sleep(1.0)
 
     def _resync(self, index: int) -> None:
-        """A restarted engine must apply adapters of this run's layout and serve the learner's version."""
+        """A restarted engine must serve the learner's version and apply every adapter part as the learner does."""
         engine = self.engines[index]
-        probe = self.learners.probe_payload_pending()
-        probe_call = Call(engine.probe.remote(probe.ref, self._probe_prompts), ENGINE, index)
-        change = self._get([probe_call, *probe.calls], "the adapter probe")[0]
         payload = self.learners.adapter_payload_pending()
         load_call = Call(engine.load_adapter.remote(payload.ref), ENGINE, index)
         version, served = self._get([load_call, *payload.calls], "sync")[:2]  # rank 0's payload second
-        want = served.version
-        if change < PROBE_MIN_CHANGE or version != want:
+        if version != served.version:
             raise RunError(
-                f"rollout engine {index} after its restart: probe change {change:.2g} (must be at least "
-                f"{PROBE_MIN_CHANGE:g}), adapter version {version} (the learner's is {want}); it does not "
-                "serve the policy being trained, so the run stops"
+                f"rollout engine {index} after its restart serves adapter version {version}, the learner's is "
+                f"{served.version}: it does not serve the policy being trained, so the run stops"
             )
+        self._rebuilds[index] = 0
+        self._probe([index], "after its restart")
         logger.info("rollout engine %d serves adapter version %d again (verified)", index, version)
 
     # 2. rollout
@@ -178,28 +192,46 @@ class Workers:
         return self._recovering(attempt)
 
     # at start: the adapter reaches the engines
-    def verify_delivery(self, prompts: list[PromptItem]) -> list[float]:
-        """Every engine must change its output when given a non-zero adapter of this run's layout, else the run
-        would train an adapter that rollouts never use. Returns each engine's largest log-prob change."""
-        self._probe_prompts = prompts  # kept: a restarted engine is probed again
-        probe = self.learners.probe_payload_pending()
-        calls = [Call(e.probe.remote(probe.ref, prompts), ENGINE, i) for i, e in enumerate(self.engines)]
-        changes = self._get([*calls, *probe.calls], "the adapter probe", True)[: len(calls)]
-        dead = [i for i, c in enumerate(changes) if c < PROBE_MIN_CHANGE]
-        if dead:
+    def verify_delivery(self, prompts: list[PromptItem]) -> list[PartProbe]:
+        """Every engine must apply each part of the adapter as the learner does (`orchestrate.delivery`), else
+        the run would train an adapter that rollouts never use. The learner's own version is served first:
+        once vLLM has held a LoRA, requests without one can still get its weights (docs/ENGINE_NOTES.md), so
+        "no adapter" is never served, and every probe compares two explicit adapters."""
+        self._probe_prompts = prompts  # kept: the fingerprint prompt, and a restarted engine is probed again
+        synced = self.sync_adapter()
+        bound = self.cfg.rollout.max_logprob_diff
+        far = [(i, d) for i, d in enumerate(synced.fingerprint_diffs) if d > bound]
+        if far:
             raise RunError(
-                f"rollout engine(s) {dead} ignore the LoRA adapter: a random non-zero adapter of this run's layout "
-                f"changed their greedy log-probs by at most {max(changes[i] for i in dead):.2g}. Rollouts would "
-                "never sample from the policy being trained. Likely causes: LoRA targets the engine does not wrap "
-                "(vLLM skips LoRA on the vision blocks; lora.target_modules), LoRA on the merger without "
-                "vLLM's tower-connector LoRA (lora.train_merger must be set for the engine to enable it), or "
-                "lora.rank above the engine's max_lora_rank"
+                f"rollout engine(s) {[i for i, _ in far]} score the fingerprint prompt under the learner's first "
+                f"adapter {max(d for _, d in far):.3g} nats per token away from the learner (over "
+                f"rollout.max_logprob_diff={bound:g}): the engine and the learner do not run the same model. Check "
+                "model.dtype and that both load model.path"
             )
-        # Serve the learner's own version as a real adapter right away: once vLLM has held a LoRA, requests
-        # without one can still get its weights (docs/ENGINE_NOTES.md), so "no adapter" is never served again.
-        self.sync_adapter()
-        logger.info("adapter delivery verified: largest greedy log-prob change per engine %s", changes)
-        return changes
+        probes = self._probe(list(range(len(self.engines))), "at start-up")
+        logger.info("adapter delivery verified:\n%s", "\n".join(p.describe() for p in probes))
+        return probes
+
+    def _probe(self, indices: list[int], when: str) -> list[PartProbe]:
+        """The probe of engines `indices`, one adapter part at a time; raises RunError when one fails."""
+        probes: list[PartProbe] = []
+        for part in self.learners.probe_parts():
+            payload = self.learners.probe_payload_pending(part)
+            calls = [
+                Call(self.engines[i].probe.remote(payload.ref, self._probe_prompts), ENGINE, i)
+                for i in indices
+            ]
+            results = self._get([*calls, *payload.calls], "the adapter probe", True)[: len(calls)]
+            batch, owners = scoring_batch(self._probe_prompts, [r.completions for r in results])
+            probed, own = self.learners.probe_logprobs(part, batch)
+            diffs = diffs_by_engine(batch, owners, probed, len(results))
+            effects = effects_by_engine(owners, probed, own, len(results))
+            probes += [
+                PartProbe(i, part, r, d, e)
+                for i, r, d, e in zip(indices, results, diffs, effects, strict=True)
+            ]
+        check_probes(probes, self.cfg.rollout.max_logprob_diff, when)
+        return probes
 
     # 3. reward
     def score(self, prompts: list[PromptItem], completions: list[list[Completion]]) -> RewardResult:
@@ -238,7 +270,9 @@ class Workers:
         return stats
 
     # 6. sync
-    def sync_adapter(self) -> int:
+    def sync_adapter(self) -> Synced:
+        """The learner's adapter to every engine, and each engine's fingerprint under it."""
+
         def attempt() -> int:
             # rank 0's payload, resolved once in the object store; every rank takes part in building it
             payload = self.learners.adapter_payload_pending()
@@ -248,7 +282,33 @@ class Workers:
                 raise RunError(f"engines serve different adapter versions after sync: {versions}")
             return int(versions[0])
 
-        return self._recovering(attempt)
+        version = self._recovering(attempt)
+        return Synced(version, self._fingerprint())
+
+    def _fingerprint(self) -> list[float]:
+        """Each engine's greedy completion of the fingerprint prompt under the version it serves, scored by the
+        learner, which holds that version until its next update: mean |engine - learner| log-prob per token.
+        An engine that rebuilt itself since the last fingerprint is probed again first."""
+        prompt = self._probe_prompts[0]
+
+        def attempt() -> list[tuple[Completion | None, int]]:
+            calls = [
+                Call(e.fingerprint.remote(prompt, FINGERPRINT_TOKENS), ENGINE, i)
+                for i, e in enumerate(self.engines)
+            ]
+            return self._get(calls, "the adapter fingerprint")
+
+        got = self._recovering(attempt)
+        rebuilt = [i for i, (_, count) in enumerate(got) if count > self._rebuilds[i]]
+        if rebuilt:
+            self._probe(rebuilt, "after the engine rebuilt itself")
+            for i in rebuilt:
+                self._rebuilds[i] = got[i][1]
+            logger.info(
+                "rollout engine(s) %s rebuilt after an internal error: adapter delivery verified", rebuilt
+            )
+        batch, owners = scoring_batch([prompt], [[[c] if c is not None else []] for c, _ in got])
+        return diffs_by_engine(batch, owners, self.learners.logprobs(batch, temperature=1.0), len(got))
 
     # 7. evaluate
     def evaluate(self, prompts: list[PromptItem]) -> float | None:

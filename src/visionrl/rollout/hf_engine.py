@@ -17,13 +17,14 @@ from visionrl import faults
 from visionrl.config import LoraConfig
 from visionrl.data.images import ImageBudget
 from visionrl.models.loader import apply_lora, load_base_model, load_processor
-from visionrl.rollout.probe import largest_first_token_change
+from visionrl.rollout.probe import PROBE_TOKENS, as_a_faulty_engine_applies, probe_result
 from visionrl.rollout.rejects import generate_skipping
 from visionrl.types import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     AdapterPayload,
     Completion,
+    ProbeResult,
     PromptItem,
     SamplingSpec,
 )
@@ -85,17 +86,20 @@ class HFEngine:
         self._version = payload.version
         return self._version
 
-    def probe(self, payload: AdapterPayload, prompts: list[PromptItem]) -> float:
-        """Largest change of a greedy token's log-prob that `payload` makes on `prompts` against the version
-        served now (0: the adapter does not reach the model); the served version stays as it was."""
-        spec = SamplingSpec(n=1, greedy=True, max_tokens=4)
+    def probe(self, payload: AdapterPayload, prompts: list[PromptItem]) -> ProbeResult:
+        """Greedy completions of `prompts` with `payload` and how far they moved from the version served now
+        (not at all: the adapter does not reach the model); the served version stays as it was."""
+        spec = SamplingSpec(n=1, greedy=True, max_tokens=PROBE_TOKENS)
         before = self.generate(prompts, spec)
         self._apply(payload)
         try:
             after = self.generate(prompts, spec)
         finally:
             self._apply(self._served)
-        return largest_first_token_change(before, after)
+        return probe_result(before, [[replace(c, adapter_version=payload.version) for c in g] for g in after])
+
+    def rebuilds(self) -> int:
+        return 0  # transformers' generate has no engine state to lose
 
     def _apply(self, payload: AdapterPayload | None) -> None:
         """Merge `payload`'s LoRA weights into exactly-restored base weights (None: the base model)."""
@@ -113,7 +117,8 @@ class HFEngine:
                     if "lora_B" in n:
                         p.zero_()
         else:
-            result = set_peft_model_state_dict(self.model, load_safetensors(payload.files[ADAPTER_WEIGHTS]))
+            weights = as_a_faulty_engine_applies(payload).files[ADAPTER_WEIGHTS]
+            result = set_peft_model_state_dict(self.model, load_safetensors(weights))
             if getattr(result, "unexpected_keys", None):
                 cfg = json.loads(payload.files[ADAPTER_CONFIG])
                 raise ValueError(

@@ -14,19 +14,21 @@ vision tokens biased away), the same distribution the learner computes.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import shutil
+from dataclasses import replace
 from typing import Any
 
 from visionrl import faults
 from visionrl.adapter.servable import vllm_max_lora_rank
 from visionrl.data.images import ImageBudget
-from visionrl.rollout.probe import largest_first_token_change
+from visionrl.rollout.probe import PROBE_TOKENS, as_a_faulty_engine_applies, probe_result
 from visionrl.rollout.rejects import generate_skipping
 from visionrl.rollout.scratch import make_scratch_dir, remove_orphaned_scratch
 from visionrl.rollout.vllm_platform import cpu_only, set_cpu_env
-from visionrl.types import AdapterPayload, Completion, PromptItem, SamplingSpec
+from visionrl.types import AdapterPayload, Completion, ProbeResult, PromptItem, SamplingSpec
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +111,9 @@ class VLLMEngine:
         self._version = 0
         self._next_id = 0  # LoRA ids handed out so far: each adapter version and probe gets a new one
         self._lora: Any = None  # LoRARequest of the version served
-        self._llm = self._build()
+        self._rebuilds = 0
+        self._sampling_calls, self._fail_next = 0, False  # for the fault injection (fail_engine_batch)
+        self._llm: Any = self._build()
 
     def _build(self) -> Any:
         from vllm import LLM
@@ -138,11 +142,11 @@ class VLLMEngine:
         self._reset_caches()
         return self._version
 
-    def probe(self, payload: AdapterPayload, prompts: list[PromptItem]) -> float:
-        """Largest change of a greedy token's log-prob that adapter `payload` makes on `prompts` against the
-        version served now; 0 means the engine ignores the adapter. Load an adapter afterwards: once a LoRA was
-        held, requests without one can still see its weights (vLLM 0.32 CPU, tower-connector LoRA)."""
-        spec = SamplingSpec(n=1, greedy=True, max_tokens=4)
+    def probe(self, payload: AdapterPayload, prompts: list[PromptItem]) -> ProbeResult:
+        """Greedy completions of `prompts` with adapter `payload` and how far they moved from the version served
+        now (not at all: the engine ignores the adapter). Load an adapter afterwards: once a LoRA was held,
+        requests without one can still see its weights (vLLM 0.32 CPU, tower-connector LoRA)."""
+        spec = SamplingSpec(n=1, greedy=True, max_tokens=PROBE_TOKENS)
         before = self.generate(prompts, spec)
         req = self._add(payload, "visionrl-probe")
         try:
@@ -150,7 +154,10 @@ class VLLMEngine:
         finally:
             self._remove(req)
             self._reset_caches()
-        return largest_first_token_change(before, after)
+        return probe_result(before, [[replace(c, adapter_version=payload.version) for c in g] for g in after])
+
+    def rebuilds(self) -> int:
+        return self._rebuilds
 
     def _add(self, payload: AdapterPayload, name: str) -> Any:
         """Write the adapter's files and add it under a LoRA id never used before (a reused id or name serves
@@ -160,7 +167,7 @@ class VLLMEngine:
         self._next_id += 1
         path = self._dir / f"{name}-{self._next_id}"
         path.mkdir(parents=True, exist_ok=True)
-        for file, data in payload.files.items():
+        for file, data in as_a_faulty_engine_applies(payload).files.items():
             (path / file).write_bytes(data)
         req = LoRARequest(f"{name}-{self._next_id}", self._next_id, str(path))
         engine = self._llm.llm_engine
@@ -198,6 +205,8 @@ class VLLMEngine:
 
     def generate(self, prompts: list[PromptItem], spec: SamplingSpec) -> list[list[Completion]]:
         self.wake_up()  # a caller that forgot to wake the engine gets a working one, not an error
+        self._sampling_calls += not spec.greedy
+        self._fail_next = self._sampling_calls == faults.AT_CALL and faults.active("fail_engine_batch")
         return self._generate(prompts, spec, self._lora)
 
     def _generate(self, prompts: list[PromptItem], spec: SamplingSpec, lora: Any) -> list[list[Completion]]:
@@ -233,13 +242,20 @@ class VLLMEngine:
 
     def _run(self, inputs: list[dict[str, Any]], params: Any, lora: Any) -> list[Any]:
         try:
+            if self._fail_next:
+                self._fail_next = False
+                raise RuntimeError("injected fault fail_engine_batch: the engine core failed in this batch")
             return list(self._llm.generate(inputs, params, lora_request=lora, use_tqdm=False))
         except (RuntimeError, AssertionError) as err:
             if lora is not self._lora:
                 raise  # a probe: the rebuilt engine would not hold its adapter
             # An in-process engine is unusable after an internal error (docs/ENGINE_NOTES.md): rebuild, retry once.
+            # The old engine is shut down first: two at once would need twice its memory. The loop probes a
+            # rebuilt engine again before its next rollout (`rebuilds`).
             logger.warning("vLLM engine failed (%s); rebuilding it and retrying the batch once", err)
+            self._shutdown()
             self._llm = self._build()
+            self._rebuilds += 1
             return list(self._llm.generate(inputs, params, lora_request=self._lora, use_tqdm=False))
 
     def _completion(self, index: int, c: Any) -> Completion:
@@ -255,6 +271,22 @@ class VLLMEngine:
             finish_reason="length" if c.finish_reason == "length" else "stop",
             adapter_version=self._version,
         )
+
+    def _shutdown(self) -> None:
+        """Stop the engine's core (its worker process and memory, on GPUs) before another is built."""
+        llm, self._llm = self._llm, None
+        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        if core is not None:
+            try:
+                core.shutdown()
+            except Exception as err:  # a broken engine may fail to stop cleanly; its memory goes with `llm`
+                logger.warning("the failed vLLM engine did not shut down cleanly: %s", err)
+        del llm
+        gc.collect()
+        if not self._cpu:
+            import torch
+
+            torch.cuda.empty_cache()
 
     def close(self) -> None:
         shutil.rmtree(self._dir, ignore_errors=True)

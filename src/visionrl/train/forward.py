@@ -63,13 +63,22 @@ class SharedImages:
 
 
 def _chunk_stats(
-    lm_head: torch.nn.Module, temperature: float, forbidden: torch.Tensor, h: torch.Tensor, ids: torch.Tensor
+    lm_head: torch.nn.Module,
+    temperature: float,
+    forbidden: torch.Tensor,
+    entropy_grad: bool,
+    h: torch.Tensor,
+    ids: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-prob of `ids` and entropy under the sampling distribution for hidden states `h` [N, D]."""
+    """Log-prob of `ids` and entropy under the sampling distribution for hidden states `h` [N, D]. Without
+    `entropy_grad` the entropy is only reported: no autograd graph (its softmax would be saved for a backward
+    that never comes, [N, vocab] floats at every recomputation)."""
     logits = lm_head(h).float() / temperature
     if len(forbidden):
         logits = logits.index_fill(-1, forbidden, SUPPRESSED_LOGIT)
-    return token_logprobs(logits, ids), entropy_from_logits(logits)
+    with contextlib.nullcontext() if entropy_grad else torch.no_grad():
+        entropy = entropy_from_logits(logits)
+    return token_logprobs(logits, ids), entropy
 
 
 def completion_stats(
@@ -82,8 +91,10 @@ def completion_stats(
     temperature: float,
     forbidden: torch.Tensor,
     chunk_tokens: int,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token log-probs and entropies [B, T] of the completion tokens (0 where `mask` is 0).
+    """Per-token log-probs and entropies [B, T] of the completion tokens (0 where `mask` is 0); the entropies
+    carry a gradient only with `entropy_grad` (an entropy bonus is trained).
 
     `hidden` [B, L, D] are the final hidden states of the micro-batch laid out as in `models.sequences`: the
     logit of row b's completion token t sits at position starts[b]-1+t. Padding is never sent through `lm_head`.
@@ -100,7 +111,7 @@ def completion_stats(
     step = chunk_tokens if chunk_tokens > 0 else max(1, len(flat))
     lps, ents = [], []
     for s in range(0, len(flat), step):
-        args = (lm_head, temperature, forbidden, h[s : s + step], ids[s : s + step])
+        args = (lm_head, temperature, forbidden, entropy_grad, h[s : s + step], ids[s : s + step])
         if torch.is_grad_enabled():
             lp, ent = checkpoint(_chunk_stats, *args, use_reentrant=False)
         else:

@@ -32,6 +32,7 @@ from visionrl.data.images import ImageBudget
 from visionrl.errors import NonFiniteError
 from visionrl.models.loader import (
     apply_lora,
+    checkpoint_layers,
     load_base_model,
     load_processor,
     lora_param_groups,
@@ -41,6 +42,7 @@ from visionrl.models.sequences import EncodedPrompt, MicroBatch, Sequence, colla
 from visionrl.train import learner_state
 from visionrl.train.batching import NO_GRAD_BATCH_TOKENS, plan_micro_batches
 from visionrl.train.forward import SharedImages, compile_decoder_layers, compiled_graphs, completion_stats
+from visionrl.train.masking import loss_tokens, masks_before_update, with_correction_masks
 from visionrl.train.mismatch import (
     AdapterSnapshot,
     abs_diff_sums,
@@ -51,12 +53,9 @@ from visionrl.train.mismatch import (
     swapped,
 )
 from visionrl.train.objective import NO_PEAKS, metric_keys, micro_batch_loss
-from visionrl.train.ranks import (
-    RankGroup,
-    clip_grads,
-    shard_model,
-)
-from visionrl.train.schedule import lr_lambda
+from visionrl.train.probe import PROBE_VERSION, probe_parts, probe_weights
+from visionrl.train.ranks import RankGroup, clip_grads, register_shards, shard_model
+from visionrl.train.schedule import lr_lambda, set_rate
 from visionrl.types import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterPayload, PromptItem
 
 # step metrics that are extremes over the updates, not means
@@ -82,7 +81,7 @@ class Learner:
         base = load_base_model(cfg.model.path, cfg.model.dtype, self.device, cfg.model.attn_implementation)
         self.model = apply_lora(base, cfg.lora, seed=cfg.train.seed)
         if cfg.model.gradient_checkpointing:
-            self._checkpoint_layers(cfg.model.checkpoint_layers)
+            checkpoint_layers(self.model, cfg.model.checkpoint_layers)
         if self.ranks.fsdp:
             shard_model(base, self.device.type, self.ranks.world)
         if cfg.train.compile:
@@ -91,6 +90,7 @@ class Learner:
         self._merge_size = int(getattr(self.processor.image_processor, "merge_size", 2))
         self.forbidden = torch.tensor(vision_token_ids(base.config, self.processor), dtype=torch.long)
         self.pad_id = self._pad_id()
+        self.temperature = cfg.rollout.temperature  # of the policy's log-probs (a probe scores at 1)
         groups = lora_param_groups(self.model, cfg.train.lr, cfg.train.merger_lr, cfg.train.lm_head_lr)
         self.optimizer = torch.optim.AdamW(
             groups, lr=cfg.train.lr, betas=cfg.train.betas, weight_decay=cfg.train.weight_decay
@@ -105,23 +105,6 @@ class Learner:
         # rollout.async_steps: the version before `version`, which the engines may still sample with (train.mismatch)
         self._previous: AdapterSnapshot | None = None
         self._adapter_config: bytes | None = None
-
-    def _checkpoint_layers(self, count: int | None) -> None:
-        """Recompute activations in backward for the first `count` decoder layers (all when None): each one
-        checkpointed saves its activations' memory and costs one more forward of that layer."""
-        # Non-reentrant checkpointing needs no `enable_input_require_grads` (that would also make backward
-        # compute gradients of the input embeddings, which nothing trains).
-        self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        layers = self.model.get_base_model().model.language_model.layers
-        if count is None:
-            return
-        if count > len(layers):
-            raise ValueError(
-                f"model.checkpoint_layers={count} exceeds the model's {len(layers)} decoder layers; "
-                f"set at most {len(layers)}, or null for all"
-            )
-        for layer in layers[count:]:
-            layer.gradient_checkpointing = False
 
     def _pad_id(self) -> int:
         tok = self.processor.tokenizer
@@ -177,15 +160,22 @@ class Learner:
             mb.completion_ids.to(dev),
             mb.completion_mask.to(dev),
             mb.starts,
-            temperature=self.cfg.rollout.temperature,
+            temperature=self.temperature,
             forbidden=self.forbidden.to(dev),
             chunk_tokens=self.cfg.train.logit_chunk_tokens,
+            entropy_grad=self.cfg.algorithm.entropy_coef > 0,  # else only reported
         )
 
-    def logprobs(self, batch: TrainBatch, adapter: bool = True) -> list[list[float]]:
-        """Log-probs of every sequence's completion tokens (with the adapter, or the base model)."""
-        seqs = batch.sequences
-        store = self._precompute(self.encode_prompts(batch.prompts), seqs, range(len(seqs)), adapter)
+    def logprobs(
+        self, batch: TrainBatch, adapter: bool = True, temperature: float | None = None
+    ) -> list[list[float]]:
+        """Log-probs of every sequence's completion tokens (with the adapter, or the base model), at the sampling
+        temperature unless `temperature` is given."""
+        seqs, self.temperature = batch.sequences, temperature or self.cfg.rollout.temperature
+        try:
+            store = self._precompute(self.encode_prompts(batch.prompts), seqs, range(len(seqs)), adapter)
+        finally:
+            self.temperature = self.cfg.rollout.temperature
         return [store[row][: len(seq.completion_ids)].tolist() for row, seq in enumerate(seqs)]
 
     def _micro_batches(
@@ -213,9 +203,13 @@ class Learner:
         minis, shards = self._plan_mini_batches(encoded, seqs)
         t1 = time.perf_counter()
         later = [r for rows in shards[1:] for r in rows]  # this rank's, of the mini-batches after the first
-        old = self._old_logprobs(encoded, seqs, later, len(minis))
-        t2 = time.perf_counter()
         mine = [r for rows in shards for r in rows]
+        masking = masks_before_update(self.cfg.algorithm)  # correction_mode mask (train.masking): all rows
+        old = self._old_logprobs(encoded, seqs, mine if masking else later, len(minis), masking)
+        if masking and old is not None:
+            seqs, masked = with_correction_masks(seqs, mine, old, self.cfg.algorithm)
+            masked = self.ranks.sum_(masked)
+        t2 = time.perf_counter()
         ref = self._precompute(encoded, seqs, mine, adapter=False) if self.cfg.algorithm.kl_coef > 0 else None
         t3 = time.perf_counter()
         # Async batches were sampled with an older version: the guard scores them under it (train.mismatch).
@@ -226,9 +220,10 @@ class Learner:
         totals: dict[str, float] = {tags.SKIPPED_UPDATES: 0.0, tags.STALENESS: staleness(seqs, self.version)}
         totals[tags.VISION_TOKENS_SAMPLED] = float(vision)
         n_updates, first = len(minis), {tags.LOGPROB_DIFF: 0.0, tags.LEARNER_TOKENS: 0.0}
+        n_slots = self.cfg.algorithm.updates_per_batch  # of the schedule, per step (`schedule.set_rate`)
         for u, rows in enumerate(minis):
-            self._set_lr(self.steps_trained * self.cfg.algorithm.updates_per_batch, u, n_updates)
-            metrics = self._update(encoded, seqs, rows, shards[u], old if u > 0 else None, ref)
+            set_rate(self.scheduler, (self.steps_trained * n_slots) + (u * n_slots) // n_updates)
+            metrics = self._update(encoded, seqs, rows, shards[u], old if u > 0 or masking else None, ref)
             first = metrics if u == 0 else first  # before this step's first optimizer update, like `old`
             for k, v in metrics.items():
                 if k in PEAK_KEYS:  # the extremes of the step, not a mean over its updates
@@ -246,6 +241,8 @@ class Learner:
                 seqs, later, old, first[tags.LOGPROB_DIFF], first[tags.LEARNER_TOKENS], self.ranks
             )
         totals[tags.LOGPROB_DIFF] = diff_at_sampling
+        if masking:  # the tokens masked before the update (the loss saw none of them)
+            totals[tags.CORRECTION_CLIPPED] = float(masked[0] / masked[1]) if masked[1] else 0.0
         totals[tags.LEARNER_TOKENS] *= n_updates  # a sum over the mini-batches, not a mean
         totals[tags.LEARNER_SEQUENCE_TOKENS] *= n_updates
         totals[tags.LEARNER_OLD_LOGPROB_S] = t2 - t1
@@ -276,14 +273,15 @@ class Learner:
         return minis, [self.ranks.mine(rows, lengths) for rows in minis]
 
     def _old_logprobs(
-        self, encoded: list[EncodedPrompt], seqs: list[Sequence], later: list[int], n_minis: int
+        self, encoded: list[EncodedPrompt], seqs: list[Sequence], rows: list[int], n_minis: int, masking: bool
     ) -> dict[int, torch.Tensor] | None:
-        """Old log-probs only where the policy has moved: the first mini-batch is trained on-policy (old = the
-        detached current log-probs, ratio exactly 1); later ones (this rank's rows `later`) need the log-probs
-        from before any update. None with one mini-batch, or with algorithm.old_logprobs=engine (the engine's
-        sampling log-probs are the old policy of every mini-batch: no pass)."""
-        if n_minis > 1 and self.cfg.algorithm.old_logprobs == "learner":
-            return self._precompute(encoded, seqs, later, adapter=True)
+        """Old log-probs of this rank's `rows` only where the policy has moved: the first mini-batch is trained
+        on-policy (old = the detached current log-probs, ratio exactly 1); later ones need the log-probs from
+        before any update (and with `masking`, every row: the mask is decided before the update). None with one
+        mini-batch and no masking, or with algorithm.old_logprobs=engine (the engine's sampling log-probs are
+        the old policy of every mini-batch: no pass)."""
+        if (n_minis > 1 or masking) and self.cfg.algorithm.old_logprobs == "learner":
+            return self._precompute(encoded, seqs, rows, adapter=True)
         return None
 
     @torch.no_grad()
@@ -312,19 +310,16 @@ class Learner:
             # parameters (the merger's LoRA), which would silently stop training: the optimizer's are all trained.
             for p in [p for group in self.optimizer.param_groups for p in group["params"]]:
                 p.requires_grad_(True)
+        if self.ranks.fsdp:  # the root unit stays unsharded after a forward: its shards registered again
+            register_shards(self.model)
         return out
 
-    def _set_lr(self, first_slot: int, u: int, n_updates: int) -> None:
-        """The rate of update `u` of `n_updates`: the schedule runs on the GRPO step (step k owns slots kU..kU+U-1,
-        U = updates_per_batch), so a skipped update or a step of fewer groups than U does not hold it back."""
-        slot = first_slot + (u * self.cfg.algorithm.updates_per_batch) // n_updates
-        self.scheduler.last_epoch = slot
-        factor = self.scheduler.lr_lambdas[0](slot)
-        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs, strict=True):
-            group["lr"] = base * factor
-
     def _trainable(self) -> list[torch.Tensor]:
-        return [p for p in self.model.parameters() if p.requires_grad]
+        return [p for _, p in self._named_trainable()]
+
+    def _named_trainable(self) -> list[tuple[str, torch.Tensor]]:
+        """The trainable parameters; with FSDP the sharded ones (every pass ends with them registered)."""
+        return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
 
     def _mismatch_at_sampling_versions(
         self, encoded: list[EncodedPrompt], seqs: list[Sequence], rows: list[int]
@@ -350,13 +345,6 @@ class Learner:
             filler.rows = []
             mbs.append(filler)
 
-    def _gather(self, store: dict[int, torch.Tensor] | None, mb: MicroBatch) -> torch.Tensor | None:
-        if store is None:
-            return None
-        T = mb.completion_ids.shape[1]
-        rows = [torch.nn.functional.pad(store[r][:T], (0, max(0, T - len(store[r])))) for r in mb.rows]
-        return torch.stack(rows).to(self.device)
-
     def _update(
         self,
         encoded: list[EncodedPrompt],
@@ -372,7 +360,7 @@ class Learner:
         mbs = self._micro_batches(encoded, seqs, mine) if mine else []
         self._even_out(mbs, encoded, seqs)
         norms = {
-            "num_tokens": float(sum(int(seqs[r].scored().sum()) for r in rows)),
+            "num_tokens": loss_tokens(seqs, rows, mine, masks_before_update(self.cfg.algorithm), self.ranks),
             "num_sequences": float(sum(1 for r in rows if seqs[r].completion_ids)),
             "norm_length": float(self.cfg.rollout.max_new_tokens),
         }
@@ -424,8 +412,8 @@ class Learner:
             mb.advantages.to(dev),
             mb.completion_mask.to(dev),
             norms,
-            old_lp=self._gather(old, mb),
-            ref_lp=self._gather(ref, mb),
+            old_lp=None if old is None else mb.rows_of(old).to(dev),
+            ref_lp=None if ref is None else mb.rows_of(ref).to(dev),
         )
         total = loss.total
         if faults.active("nonfinite_loss"):
@@ -478,19 +466,21 @@ class Learner:
         files = {ADAPTER_CONFIG: self._adapter_config, ADAPTER_WEIGHTS: weights}
         return AdapterPayload(version=self.version, files=files)
 
-    def probe_payload(self, std: float = 0.05) -> AdapterPayload:
-        """An adapter of this run's layout with random non-zero B (never trained, never served for rollouts):
-        the start-up check that engines apply what they are sent. Version -1 marks it."""
-        from safetensors.torch import load, save
+    # ------------------------------------------------------------------ the delivery probe (train.probe)
+    def probe_parts(self) -> list[str]:
+        return probe_parts(self._named_trainable())
 
-        payload = self.adapter_payload()
-        gen = torch.Generator().manual_seed(self.cfg.train.seed + 1)
-        weights = {
-            k: (torch.randn(v.shape, generator=gen) * std).to(v.dtype) if "lora_B" in k else v
-            for k, v in load(payload.files[ADAPTER_WEIGHTS]).items()
-        }
-        files = {**payload.files, ADAPTER_WEIGHTS: save(weights, metadata={"format": "pt"})}
-        return AdapterPayload(version=-1, files=files)
+    def probe_payload(self, part: str) -> AdapterPayload:
+        """The probe adapter of `part` as file bytes (version -1); the learner's own weights stay as they are."""
+        with swapped(self._trainable(), probe_weights(self._named_trainable(), part, self.cfg.train.seed)):
+            return AdapterPayload(version=PROBE_VERSION, files=self.adapter_payload().files)
+
+    def probe_logprobs(self, part: str, batch: TrainBatch) -> tuple[list[list[float]], list[list[float]]]:
+        """Log-probs of an engine's greedy probe completions at temperature 1 (what engines report for greedy
+        requests): under the probe adapter of `part`, and under the learner's own weights (the probe's effect)."""
+        with swapped(self._trainable(), probe_weights(self._named_trainable(), part, self.cfg.train.seed)):
+            probed = self.logprobs(batch, temperature=1.0)
+        return probed, self.logprobs(batch, temperature=1.0)
 
     # ------------------------------------------------------------------ checkpoint state
     def state_dict(self) -> dict[str, Any]:

@@ -149,6 +149,17 @@ def shard_model(vlm: Any, device_type: str, world: int) -> None:
             unit.set_force_sum_reduction_for_comms(True)
 
 
+def register_shards(model: torch.nn.Module) -> None:
+    """FSDP2: free the unsharded parameters of every unit and register the sharded ones. A forward leaves the
+    root unit unsharded (it does not reshard after forward): a write to those copies would be lost at the next
+    gather, or land in freed storage. Call it before reading or writing weights outside forward and backward."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def clip_grads(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
     """Clip the global L2 norm of the gradients of `params` (sharded and whole ones mixed) to `max_norm`;
     returns the norm before clipping (the same on every rank)."""
