@@ -332,6 +332,33 @@ def test_malformed_yaml_reports_the_line(tmp_path: Path) -> None:
         load_config(path)
 
 
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [
+        (bytes(range(256)) * 4, "not UTF-8 text (byte 0x80 at position 128)"),
+        ("output_dir: x\n".encode("utf-16"), "UTF-16 text (byte 0xff at position 0)"),
+        (b"output_dir: x\x00\x00\n", "holds NUL bytes, so it is a binary file"),
+        (("a: " + "[" * 5000 + "]" * 5000).encode(), "nested too deeply to read"),
+    ],
+    ids=["binary", "utf16", "nul", "deep"],
+)
+def test_a_job_file_that_is_no_yaml_text_is_named_not_a_traceback(
+    tmp_path: Path, content: bytes, says: str
+) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value).startswith(f"{path}: ") and says in str(info.value)
+
+
+def test_an_empty_output_dir_and_all_zero_reward_weights_are_refused() -> None:
+    assert "output_dir: String should have at least 1 character" in config_error(MINIMAL, ["output_dir=''"])
+    zero = config_error(MINIMAL, ["rewards=[{name: exact_match, weight: 0}, {name: format, weight: 0.0}]"])
+    assert "every reward has weight 0" in zero and "rewards[].weight" in zero
+    config_from_dict(apply_overrides(MINIMAL, ["rewards=[{name: exact_match, weight: 0}, {name: format}]"]))
+
+
 def test_bad_indentation_reports_the_line(tmp_path: Path) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text("output_dir: x\nmodel:\n  path: m\n   dtype: float32\n")

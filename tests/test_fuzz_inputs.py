@@ -93,6 +93,26 @@ def test_any_text_as_a_job_file_is_valid_or_exit_2(folder: Path, text: str) -> N
     _check(*_validate(str(path)))
 
 
+# PyYAML recurses once per nesting level: past Python's limit (1,000) it raises RecursionError
+deep = st.integers(min_value=1, max_value=3_000)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    data=st.one_of(
+        st.binary(max_size=2000),  # any bytes: binary files, other encodings, NULs
+        st.text(max_size=50).map(lambda t: t.encode("utf-16")),
+        deep.map(lambda n: ("a: " + "[" * n + "]" * n).encode()),
+        deep.map(lambda n: ("a: " + "{b: " * n + "1" + "}" * n).encode()),
+    )
+)
+def test_any_bytes_as_a_job_file_are_valid_or_exit_2(folder: Path, data: bytes) -> None:
+    """Binary and non-UTF-8 files, and nesting thousands of levels deep (lists, or mappings)."""
+    path = folder / "bytes.yaml"
+    path.write_bytes(data)
+    _check(*_validate(str(path)))
+
+
 @SETTINGS
 @given(
     changes=st.lists(st.tuples(key_paths, values), max_size=4),

@@ -238,7 +238,9 @@ class LoggingConfig(Section):
 class JobConfig(Section):
     """A whole GRPO job. See configs/*.yaml for commented examples."""
 
-    output_dir: str = Field(description="Run directory: tensorboard/, checkpoints/, adapter/, eval/.")
+    output_dir: str = Field(
+        min_length=1, description="Run directory: tensorboard/, checkpoints/, adapter/, eval/."
+    )
     model: ModelConfig
     lora: LoraConfig = Field(default_factory=LoraConfig)
     data: DataConfig
@@ -256,6 +258,15 @@ class JobConfig(Section):
     )
 
     # Each rule is its own validator that raises (named validate_*); none of them changes a value.
+
+    @model_validator(mode="after")
+    def validate_some_reward_counts(self) -> JobConfig:
+        if self.rewards and all(r.weight == 0 for r in self.rewards):
+            raise ValueError(
+                "every reward has weight 0, so every completion scores 0 and no group has a signal to train on; "
+                "give at least one reward (rewards[].weight) a non-zero weight"
+            )
+        return self
 
     @model_validator(mode="after")
     def validate_updates_divide_the_step(self) -> JobConfig:
@@ -414,8 +425,23 @@ def load_config(path: str | os.PathLike[str], overrides: list[str] | None = None
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"job file '{p}' does not exist; pass the path of a YAML job file (see configs/)")
+    raw = p.read_bytes()
     try:
-        data = yaml.load(p.read_text(), Loader=UniqueKeyLoader)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        kind = "UTF-16 text" if raw[:2] in (b"\xff\xfe", b"\xfe\xff") else "not UTF-8 text"
+        raise ConfigError(
+            f"{p}: {kind} (byte 0x{raw[err.start]:02x} at position {err.start}); a job file is YAML in UTF-8: "
+            "save it as UTF-8, or check that the path names the job file and not a binary"
+        ) from None
+    if "\x00" in text:
+        raise ConfigError(f"{p}: holds NUL bytes, so it is a binary file, not a YAML job file (see configs/)")
+    try:
+        data = yaml.load(text, Loader=UniqueKeyLoader)
+    except RecursionError:
+        raise ConfigError(
+            f"{p}: nested too deeply to read (thousands of levels); a job file has sections of plain keys"
+        ) from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

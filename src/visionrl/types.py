@@ -115,6 +115,11 @@ class RolloutEngine(Protocol):
         of the version served (no change: the adapter does not reach the model). The served version stays."""
         ...
 
+    def fingerprint(self, prompt: PromptItem, max_tokens: int) -> Completion | None:
+        """The greedy completion of `prompt` under the version served (None if the engine rejects it), leaving
+        nothing behind that could change later generations (caches)."""
+        ...
+
     def rebuilds(self) -> int:
         """How often the engine was rebuilt after an internal error so far (each rebuild is probed again)."""
         ...

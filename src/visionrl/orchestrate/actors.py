@@ -259,10 +259,8 @@ class RolloutActor:
     def fingerprint(self, prompt: PromptItem, max_tokens: int) -> tuple[Completion | None, int]:
         """The greedy completion of `prompt` under the version served (None if the engine rejects it), and the
         engine's rebuilds so far. Not a `generate` call: the fault injection's call counts stay as they were."""
-        spec = SamplingSpec(n=1, greedy=True, max_tokens=max_tokens)
         with _memory_guard("rollout engine", "the adapter fingerprint", self.cfg):
-            groups = self.engine.generate([prompt], spec)
-        return (groups[0][0] if groups and groups[0] else None), self.engine.rebuilds()
+            return self.engine.fingerprint(prompt, max_tokens), self.engine.rebuilds()
 
     def sleep(self) -> None:
         self.engine.sleep()

@@ -98,6 +98,10 @@ class HFEngine:
             self._apply(self._served)
         return probe_result(before, [[replace(c, adapter_version=payload.version) for c in g] for g in after])
 
+    def fingerprint(self, prompt: PromptItem, max_tokens: int) -> Completion | None:
+        groups = self.generate([prompt], SamplingSpec(n=1, greedy=True, max_tokens=max_tokens))
+        return groups[0][0] if groups and groups[0] else None
+
     def rebuilds(self) -> int:
         return 0  # transformers' generate has no engine state to lose
 

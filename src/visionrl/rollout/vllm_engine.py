@@ -156,6 +156,13 @@ class VLLMEngine:
             self._reset_caches()
         return probe_result(before, [[replace(c, adapter_version=payload.version) for c in g] for g in after])
 
+    def fingerprint(self, prompt: PromptItem, max_tokens: int) -> Completion | None:
+        groups = self.generate([prompt], SamplingSpec(n=1, greedy=True, max_tokens=max_tokens))
+        # A prompt served from the prefix or encoder cache is computed by other kernels, with logits a little
+        # different: a later rollout of the same prompt must not depend on whether it was fingerprinted.
+        self._reset_caches()
+        return groups[0][0] if groups and groups[0] else None
+
     def rebuilds(self) -> int:
         return self._rebuilds
 
