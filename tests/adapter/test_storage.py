@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from visionrl.adapter.storage import filesystem, is_local, storage_options
+from visionrl.errors import InputError
 
 
 @pytest.fixture(autouse=True)
@@ -44,3 +45,14 @@ def test_local_folders_are_local(tmp_path: Path) -> None:
     fs, path = filesystem(tmp_path)
     assert is_local(fs) and path == str(tmp_path)
     assert not is_local(filesystem("memory://bucket/x")[0])
+
+
+@pytest.mark.parametrize("url", ["s3:/bucket/x", "s3://", "s3:///prefix", "S3:bucket", "s3a:/b"])
+def test_a_malformed_s3_url_is_refused_not_a_local_folder(
+    url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InputError, match=r"is not an S3 location: write it as s3a?://BUCKET/PREFIX"):
+        filesystem(url)
+    assert list(tmp_path.iterdir()) == []  # no folder named `s3:` appeared
+    assert filesystem("s3://bucket/x")[1] == "bucket/x" and filesystem("runs/s3:x")[1].endswith("runs/s3:x")

@@ -16,6 +16,8 @@ from typing import Any
 
 import fsspec
 
+from visionrl.errors import InputError
+
 S3_PROTOCOLS = ("s3", "s3a")
 # botocore's order: the service-specific variable wins over the global one.
 ENDPOINT_VARIABLES = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
@@ -40,9 +42,24 @@ def storage_options(url: str) -> dict[str, Any]:
 
 
 def filesystem(url: str | os.PathLike[str]) -> tuple[fsspec.AbstractFileSystem, str]:
-    """(filesystem, path inside it) of a local folder or a URL such as `s3://bucket/prefix`."""
+    """(filesystem, path inside it) of a local folder or a URL such as `s3://bucket/prefix`; a malformed S3 URL
+    (`s3:/bucket`, a bare `s3://`) is an InputError rather than a local folder named `s3:`."""
     text = os.fspath(url)
+    check_s3_url(text)
     return fsspec.core.url_to_fs(text, **storage_options(text))
+
+
+def check_s3_url(text: str) -> None:
+    """Raise InputError for a path that means S3 but is not `s3://bucket[/prefix]`."""
+    head = text.split(":", 1)[0].lower() if ":" in text else ""
+    if head not in S3_PROTOCOLS:
+        return
+    bucket = text.split("://", 1)[1].split("/", 1)[0] if "://" in text else ""
+    if not bucket:
+        raise InputError(
+            f"{text!r} is not an S3 location: write it as {head}://BUCKET/PREFIX (two slashes after the colon, "
+            "then the bucket's name)"
+        )
 
 
 def is_local(fs: fsspec.AbstractFileSystem) -> bool:
