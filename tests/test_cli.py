@@ -94,6 +94,16 @@ def test_subcommand_help_exits_zero_and_shows_its_options(
         assert option in out, option
 
 
+def test_subcommand_help_shows_the_defaults_an_option_has(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["eval", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert (
+        "local evaluation engine (default: vllm)" in out and "(default: 8)" in out
+    )  # --engine, --concurrency
+    assert "(default: None)" not in out and "(default: False)" not in out and "(default: [])" not in out
+
+
 def test_every_subcommand_runs_its_own_handler() -> None:
     parser = build_parser()
     minimal = {"train": ["job.yaml"], "export": ["a", "b"], "fetch": ["a"], "serve": ["--base", "m"],

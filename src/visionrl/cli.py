@@ -412,6 +412,15 @@ COMMANDS: tuple[tuple[str, Handler, str, Callable[[argparse.ArgumentParser], Non
 )
 
 
+class _WithDefaults(argparse.HelpFormatter):
+    """`--help` shows an option's default where it has one (not None, False or already in its text)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        shown = "default" in text.lower() or action.default in (None, False, argparse.SUPPRESS, [], "")
+        return text if shown or not action.option_strings else f"{text} (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="visionrl",
@@ -419,7 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, handler, help_, add_arguments in COMMANDS:
-        sp = sub.add_parser(name, help=help_, description=help_)
+        sp = sub.add_parser(name, help=help_, description=help_, formatter_class=_WithDefaults)
         sp.set_defaults(func=handler)
         add_arguments(sp)
     return p

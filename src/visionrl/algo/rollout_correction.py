@@ -119,7 +119,7 @@ def rollout_correction(
     raw = torch.where(keep, level_fn(log_ratio, keep), 0.0)
     weights, affected = _MODES[mode](raw, keep, 0.0 if lower is None else lower, threshold)
     clamped = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    k3 = clamped.exp() - clamped - 1.0
+    k3 = (clamped.exp() - clamped - 1.0).clamp_min(0.0)  # >= 0 exactly; rounding alone made it -1e-9
     metrics = {
         "mean_weight": masked_mean(weights, keep),
         "weight_max": raw.amax() if raw.numel() else torch.zeros((), dtype=dtype, device=raw.device),
