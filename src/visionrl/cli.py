@@ -149,7 +149,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
     manifest = export_adapter(
         args.src, args.dest, allow_unservable=args.allow_unservable, overwrite=args.overwrite
     )
-    print(f"exported {len(manifest['files'])} files to {args.dest}")
+    # the manifest lists the adapter's files; it is written beside them
+    print(f"exported {len(manifest['files'])} adapter files and their manifest to {args.dest}")
     return 0
 
 
