@@ -148,7 +148,7 @@ class DataConfig(Section):
 
 
 class TrainConfig(Section):
-    steps: int = Field(100, ge=1, description="GRPO steps (one rollout batch each).")
+    steps: int = Field(100, ge=1, le=10_000_000, description="GRPO steps (one rollout batch each).")
     lr: float = Field(1e-5, gt=0.0, description="Peak learning rate of the LoRA weights.")
     merger_lr: float | None = Field(None, gt=0.0, description="Learning rate of merger LoRA (default: lr).")
     lm_head_lr: float | None = Field(None, gt=0.0, description="Learning rate of lm_head LoRA (default: lr).")

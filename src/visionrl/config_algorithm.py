@@ -12,7 +12,7 @@ from visionrl.config_yaml import Section
 
 class AlgorithmConfig(Section):
     group_size: int = Field(
-        8, ge=2, description="Completions sampled per prompt (G); advantages are group-relative."
+        8, ge=2, le=1024, description="Completions sampled per prompt (G); advantages are group-relative."
     )
     advantage_scale: Literal["std", "none"] = Field(
         "std", description="'std': GRPO (r-mean)/std; 'none': Dr. GRPO r-mean."

@@ -24,11 +24,12 @@ class RayConfig(Section):
     num_learners: int = Field(
         1,
         ge=1,
+        le=4096,
         description="Learner ranks: one Ray actor each, a torch.distributed group (nccl on GPUs, gloo on CPUs) "
         "that splits each step's sequences by tokens and sums the gradients (train.fsdp: sharded on GPUs). "
         "ray.placement=colocated on GPUs pairs rank i with engine i on GPU i (rollout.num_engines = this).",
     )
-    num_reward_workers: int = Field(1, ge=1, description="Reward worker actors.")
+    num_reward_workers: int = Field(1, ge=1, le=4096, description="Reward worker actors.")
     reward_timeout_s: float = Field(
         10.0, gt=0.0, description="Per-sample reward timeout; over it scores 0, counted."
     )

@@ -14,13 +14,13 @@ class RolloutConfig(Section):
         "vllm", description="Rollout engine: vLLM (default) or transformers generate."
     )
     prompts_per_step: int = Field(
-        32, ge=1, description="Prompts per step; completions per step = prompts x group_size."
+        32, ge=1, le=100_000, description="Prompts per step; completions per step = prompts x group_size."
     )
     temperature: float = Field(1.0, gt=0.0, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling. Below 1 the engine's log-probs are "
         "renormalised over the nucleus, the learner's are not: refused with algorithm.old_logprobs=engine.")  # fmt: skip
-    max_new_tokens: int = Field(256, ge=1, description="Maximum tokens per completion.")
-    num_engines: int = Field(1, ge=1, description="Rollout engine actors (data-parallel).")
+    max_new_tokens: int = Field(256, ge=1, le=1_048_576, description="Maximum tokens per completion.")
+    num_engines: int = Field(1, ge=1, le=4096, description="Rollout engine actors (data-parallel).")
     gpus_per_engine: float = Field(0.0, ge=0.0, description="GPUs per engine actor (0 on CPU).")
     gpu_memory_utilization: float = Field(
         0.5, gt=0.0, le=1.0, description="vLLM: share of GPU memory for the engine."

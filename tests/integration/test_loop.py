@@ -282,6 +282,31 @@ def test_attaches_to_an_existing_ray_cluster(
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
+def test_gpu_requests_on_a_ray_without_gpus_are_refused_before_any_actor_starts(
+    tiny_model: Path, color_data: Path, tmp_path: Path, shared_ray
+) -> None:
+    """The GPU job's shares on the CPU machine: refused at once naming the keys and the CPU values; before, every
+    actor waited for ray.startup_timeout_s (30 minutes) with only Ray's autoscaler lines."""
+    import time
+
+    from visionrl.errors import InputError
+    from visionrl.orchestrate.loop import train
+
+    cfg = _cfg(
+        tiny_model, color_data, tmp_path / "run", ray={"learner_gpus": 0.5}, rollout={"gpus_per_engine": 0.5}
+    )
+    t0 = time.monotonic()
+    with pytest.raises(InputError) as err:
+        train(cfg)
+    text = str(err.value)
+    assert text.startswith(
+        "the job asks for 1 GPU(s) (ray.num_learners=1 x ray.learner_gpus=0.5 + rollout.num_engines=1 x "
+        "rollout.gpus_per_engine=0.5) and this Ray has 0"
+    )
+    assert "set ray.learner_gpus=0 rollout.gpus_per_engine=0" in text
+    assert time.monotonic() - t0 < 60 and shared_ray.live_actors() == []  # no actor was started
+
+
 def test_a_dead_worker_stops_the_run_with_a_clear_error(
     tiny_model: Path, color_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

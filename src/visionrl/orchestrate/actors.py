@@ -24,7 +24,7 @@ from visionrl import faults
 from visionrl.config import JobConfig, RayConfig
 from visionrl.config_placement import PlacementPlan
 from visionrl.data.images import ImageBudget
-from visionrl.errors import out_of_memory
+from visionrl.errors import InputError, out_of_memory
 from visionrl.orchestrate.remote import ENGINE, LEARNER, REWARD, Call, gather, kill_actors
 from visionrl.rewards import RewardSpec, build_reward_fn
 from visionrl.rollout.factory import make_engine
@@ -39,6 +39,35 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+def wait_for_ray(address: str, timeout_s: float, poll_s: float = 2.0) -> None:
+    """Until something listens at a `host:port` Ray address, for at most `timeout_s`: `ray.init` alone retries a
+    wrong address forever with only its own warnings. Other forms (`auto`, `ray://...`) are left to Ray."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    if "://" in address or not host or not port.isdigit():
+        return
+    deadline, told = time.monotonic() + timeout_s, 0.0
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=min(5.0, timeout_s)):
+                return
+        except OSError as err:
+            waited = timeout_s - (deadline - time.monotonic())
+            if time.monotonic() >= deadline:
+                raise InputError(
+                    f"no Ray answers at ray.address={address} after {waited:.0f} s ({err}); check the head node's "
+                    "address and port (`ray status` on the head prints it), that the head is running, or leave "
+                    "ray.address and RAY_ADDRESS unset for a local Ray"
+                ) from None
+            if waited - told >= 30.0:
+                logger.warning(
+                    "waiting for Ray at %s (%.0f s of ray.startup_timeout_s=%g)", address, waited, timeout_s
+                )
+                told = waited
+        time.sleep(min(poll_s, max(deadline - time.monotonic(), 0.0)))
+
+
 @contextlib.contextmanager
 def ray_session(cfg: RayConfig) -> Iterator[dict[str, Any]]:
     """Attach to `ray.address` / RAY_ADDRESS, or start an embedded local Ray in a temp dir, torn down at exit
@@ -48,6 +77,7 @@ def ray_session(cfg: RayConfig) -> Iterator[dict[str, Any]]:
         yield {"mode": "existing"}
         return
     if address:
+        wait_for_ray(address, cfg.startup_timeout_s)
         ray.init(address=address, log_to_driver=True)
         try:
             yield {"mode": "attached", "address": address}
@@ -384,6 +414,32 @@ def _spread(options: list[dict[str, Any]]) -> None:
         opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
             placement_group=pg, placement_group_bundle_index=i
         )
+
+
+def check_gpu_requests(cfg: JobConfig, session_mode: str) -> None:
+    """The job's GPUs against the Ray it runs on, before any actor starts: a request no node can meet would
+    wait up to ray.startup_timeout_s (30 min by default) with only Ray's autoscaler lines to show for it. A
+    local Ray cannot grow, so there it is an InputError; an attached cluster may still add nodes: a warning."""
+    r, ro = cfg.ray, cfg.rollout
+    need = r.num_learners * r.learner_gpus + ro.num_engines * ro.gpus_per_engine
+    have = float(ray.cluster_resources().get("GPU", 0.0))
+    if need <= have + 1e-9:
+        return
+    what = (
+        f"the job asks for {need:g} GPU(s) (ray.num_learners={r.num_learners} x ray.learner_gpus={r.learner_gpus:g}"
+        f" + rollout.num_engines={ro.num_engines} x rollout.gpus_per_engine={ro.gpus_per_engine:g}) and this Ray "
+        f"has {have:g}"
+    )
+    fix = (
+        "to run on CPUs set ray.learner_gpus=0 rollout.gpus_per_engine=0 (with model.dtype=float32 and "
+        "rollout.sleep_during_update=false, as configs/demo.yaml)"
+        if have == 0
+        else "lower the GPU shares or the counts to fit, or attach to a larger cluster (ray.address)"
+    )
+    if session_mode == "attached":
+        logger.warning("%s: actors will wait up to ray.startup_timeout_s for nodes to join; %s", what, fix)
+        return
+    raise InputError(f"{what}, so the run would wait for GPUs that never come; {fix}")
 
 
 def start_actors(cfg: JobConfig) -> tuple[list[Any], list[Any], list[Any]]:

@@ -46,7 +46,7 @@ from visionrl.files import atomic_write
 from visionrl.metrics import MetricsWriter, Progress
 from visionrl.models.sequences import Sequence
 from visionrl.orchestrate import preemption
-from visionrl.orchestrate.actors import ray_session, start_actors
+from visionrl.orchestrate.actors import check_gpu_requests, ray_session, start_actors
 from visionrl.orchestrate.collect import Collected, collect, collect_ahead
 from visionrl.orchestrate.delivery import FingerprintWatch, MismatchWatch
 from visionrl.orchestrate.failures import run_error, run_log, stopped
@@ -94,6 +94,7 @@ def train(cfg: JobConfig, resume: ResumeMode | None = None) -> TrainResult:
         try:
             with ray_session(cfg.ray) as session, stop_on_signals():
                 logger.info("ray session: %s", session)
+                check_gpu_requests(cfg, session["mode"])  # before any actor waits for a GPU that never comes
                 return _train(cfg, run, ckpt, prompts_in)
         except ActorProblem as problem:
             raise run_error(problem, run.root) from problem
