@@ -361,13 +361,16 @@ def test_a_job_file_that_is_no_yaml_text_is_named_not_a_traceback(
         "rollout.max_new_tokens=1000000000",
         "train.steps=1000000000000",
         "ray.num_learners=100000",
+        "rewards=[{name: exact_match, weight: 1e308}]",
     ],
 )
 def test_absurd_sizes_are_refused_at_validate_naming_the_bound(override: str) -> None:
     """1e12 prompts a step validated, then `train` hung building the sampler's order."""
     key = override.split("=")[0]
     text = config_error(MINIMAL, [override])
-    assert key.split(".")[1] in text and ("less than or equal to" in text or "valid integer" in text), text
+    assert (key.split(".")[1] if "." in key else "weight") in text and (
+        "less than or equal to" in text or "valid integer" in text
+    ), text
 
 
 def test_an_empty_output_dir_and_all_zero_reward_weights_are_refused() -> None:

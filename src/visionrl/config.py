@@ -79,7 +79,9 @@ class RewardConfig(Section):
     name: str = Field(
         description="A built-in reward (exact_match, choice, numeric, format, iou) or 'pkg.module:function'."
     )
-    weight: float = Field(1.0, description="Weight in the total reward (weighted sum).")
+    weight: float = Field(
+        1.0, ge=-1e6, le=1e6, description="Weight in the total reward (weighted sum), within +-1e6."
+    )
     kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Keyword arguments of the reward function."
     )

@@ -45,7 +45,8 @@ USER_MODULE = textwrap.dedent(
         return 0.5
 
     def bad_values(completion, answer, record):
-        return {"nan": float("nan"), "none": None, "text": "1.0", "inf": float("inf")}.get(completion, True)
+        values = {"nan": float("nan"), "none": None, "text": "1.0", "inf": float("inf"), "huge": 1e38, "max": -1e6}
+        return values.get(completion, True)
 
     def exits(completion, answer, record):
         if "exit" in completion:
@@ -224,11 +225,16 @@ def test_builtin_bad_reference_is_counted_with_its_message() -> None:
 
 def test_non_numbers_are_errors(user_module: str) -> None:
     reward = build_reward_fn([RewardSpec(f"{user_module}:bad_values")])
-    result = reward.score(["nan", "none", "text", "inf", "ok"], _records([None] * 5))
+    result = reward.score(["nan", "none", "text", "inf", "ok", "huge", "max"], _records([None] * 7))
     key = f"{user_module}:bad_values"
-    assert result.per_reward[key] == [0.0, 0.0, 0.0, 0.0, 1.0]  # `True` counts as 1.0
-    assert result.num_errors[key] == 4
+    assert result.per_reward[key] == [0.0, 0.0, 0.0, 0.0, 1.0, 0.0, -1e6]  # `True` counts as 1.0
+    assert result.num_errors[key] == 5
     assert result.error_examples[key] == "returned float nan; a reward must return a finite number"
+    # 1e38 is finite, but overflowed float32 in the advantages and TensorBoard's histograms: counted too
+    only_huge = reward.score(["huge"], _records([None]))
+    assert only_huge.error_examples[key].startswith(
+        "returned 1e+38, outside [-1e+06, 1e+06]; scale the reward down"
+    )
 
 
 def test_sys_exit_in_reward_is_an_error(user_module: str) -> None:

@@ -43,10 +43,21 @@ class Outcome:
     message: str = ""
 
 
+MAX_ABS_REWARD = (
+    1e6  # a reward beyond it is an error: 1e38 overflowed float32 in the advantages and histograms
+)
+
+
 def _as_score(raw: object) -> Outcome:
     # bool is a Real (True -> 1.0), so `return pred == answer` is a valid reward.
     if isinstance(raw, numbers.Real) and math.isfinite(float(raw)):
-        return Outcome("ok", float(raw))
+        if abs(float(raw)) <= MAX_ABS_REWARD:
+            return Outcome("ok", float(raw))
+        return Outcome(
+            "error",
+            message=f"returned {float(raw):g}, outside [-{MAX_ABS_REWARD:g}, {MAX_ABS_REWARD:g}]; scale the reward "
+            "down (advantages are normalised per group, so only differences within a group matter)",
+        )
     shown = repr(raw)
     shown = shown if len(shown) <= 80 else shown[:77] + "..."
     return Outcome(
