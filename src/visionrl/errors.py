@@ -111,6 +111,9 @@ def storage_error(
         if needed is not None:
             why += f"; {needed:,} bytes were to be written"
         fix = "give the run write access there, or choose another output_dir"
+    elif err.errno in (errno.ENOENT, errno.ENOTDIR):
+        why = f"{where} cannot be created there ({os.strerror(err.errno or 0)}): a folder on its path is missing or a file"
+        fix = "choose a folder on a writable disk (output_dir, or the export destination)"
     else:
         why = f"writing {f'{needed:,} bytes to ' if needed is not None else ''}{where} failed: {err.strerror or err}"
         fix = "check the storage"

@@ -224,6 +224,12 @@ def test_processor_and_template_of_older_checkpoint_layouts(tmp_path: Path) -> N
 # The manifest is written last
 
 
+def test_a_destination_that_cannot_be_created_is_named(tmp_path: Path, models: dict[str, Path]) -> None:
+    run = _make_run(tmp_path, models)
+    with pytest.raises(StorageError, match=r"/proc/visionrl-export-test cannot be created there"):
+        export_adapter(run, "/proc/visionrl-export-test")  # no folder can be made under /proc, even as root
+
+
 def test_failed_upload_leaves_no_manifest(
     tmp_path: Path, models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -307,6 +307,23 @@ def test_gpu_requests_on_a_ray_without_gpus_are_refused_before_any_actor_starts(
     assert time.monotonic() - t0 < 60 and shared_ray.live_actors() == []  # no actor was started
 
 
+def test_an_output_dir_that_cannot_be_a_run_folder_is_named_before_ray(
+    tiny_model: Path, color_data: Path, tmp_path: Path
+) -> None:
+    from visionrl.errors import InputError, StorageError
+    from visionrl.orchestrate.loop import train
+
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a folder")
+    with pytest.raises(InputError, match=rf"output_dir {a_file} is a file, not a folder"):
+        train(_cfg(tiny_model, color_data, a_file))
+    under_proc = Path(
+        "/proc/visionrl-test-run"
+    )  # no file system lets a folder be created here, not even root's
+    with pytest.raises(StorageError, match=r"cannot be created there \(No such file or directory\)"):
+        train(_cfg(tiny_model, color_data, under_proc))
+
+
 def test_a_dead_worker_stops_the_run_with_a_clear_error(
     tiny_model: Path, color_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

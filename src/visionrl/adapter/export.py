@@ -24,7 +24,7 @@ from visionrl.adapter.files import (
 from visionrl.adapter.manifest import build_manifest, first_bad_file, join, write_manifest
 from visionrl.adapter.resolve import resolve_adapter
 from visionrl.adapter.storage import filesystem, is_local
-from visionrl.errors import ExportError, storage_error
+from visionrl.errors import ExportError, storage_error, storage_errors
 from visionrl.finite import describe, nonfinite_in_file
 from visionrl.run_layout import RUN_CONFIG, RunDir
 
@@ -121,7 +121,8 @@ def export_adapter(
     in_place = is_local(fs) and Path(root).resolve() == adapter_dir.resolve()
     if not overwrite and not in_place:
         _refuse_foreign_files(fs, root, set(manifest["files"]), os.fspath(dest))
-    fs.makedirs(root, exist_ok=True)
+    with storage_errors(os.fspath(dest), None):  # a read-only or missing mount, a denied bucket
+        fs.makedirs(root, exist_ok=True)
     manifest_path = join(root, MANIFEST_NAME)
     if fs.exists(manifest_path):
         # Re-export over an old one: drop the old manifest first, so nobody reads new files under it.

@@ -41,7 +41,7 @@ from visionrl import history as history_file
 from visionrl import metrics as tags
 from visionrl.algo import group_advantages, overlong_penalty
 from visionrl.config import JobConfig, dump_config
-from visionrl.errors import Preempted, RunError, storage_errors
+from visionrl.errors import InputError, Preempted, RunError, storage_errors
 from visionrl.files import atomic_write
 from visionrl.metrics import MetricsWriter, Progress
 from visionrl.models.sequences import Sequence
@@ -83,7 +83,12 @@ def train(cfg: JobConfig, resume: ResumeMode | None = None) -> TrainResult:
     mode = cfg.resume if resume is None else resume
     ckpt = checkpoint_to_resume(cfg, run, mode)  # refuses before anything starts
     prompts_in = PromptStream(cfg)  # data and processor first: bad paths fail in seconds, before Ray
-    run.root.mkdir(parents=True, exist_ok=True)
+    if run.root.exists() and not run.root.is_dir():
+        raise InputError(
+            f"output_dir {run.root} is a file, not a folder; point output_dir at a folder (new or a run's)"
+        )
+    with storage_errors(run.root, None):  # a read-only or missing mount: what, and what to do
+        run.root.mkdir(parents=True, exist_ok=True)
     cfg = cfg.model_copy(update={"resume": mode})
     text = dump_config(cfg)  # what this run uses (overrides included)
     with storage_errors(run.config, len(text.encode())):  # a full disk: a clear error before anything starts
