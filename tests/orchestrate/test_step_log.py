@@ -34,6 +34,17 @@ def test_rollout_samples_show_the_first_completion_of_the_first_groups_with_an_i
     assert samples[0].image is image
 
 
+def test_the_question_of_a_picture_comes_from_the_layouts_prompt_key() -> None:
+    """Geometry3K / EasyR1 records hold the question in `problem` (data.prompt_key); it was left empty."""
+    image = Image.new("RGB", (4, 4), "red")
+    record = {"problem": "<image>Find the angle x.", "answer": "30"}
+    prompts = [PromptItem(text="t0", images=[image], answer="30", record=record)]
+    (sample,) = rollout_samples(prompts, [_group(0, ["x = 30"])], [1.0], n=1, prompt_key="problem")
+    assert sample.question == "Find the angle x."  # the image marker is not part of the question
+    (default,) = rollout_samples(prompts, [_group(0, ["x = 30"])], [1.0], n=1)
+    assert default.question == ""  # without the key the record has no `prompt` and no `messages`
+
+
 def test_merged_reward_results_concatenate_scores_and_sum_counts_in_order() -> None:
     first = RewardResult([1.0, 0.0], {"em": [1.0, 0.0]}, {"em": 1}, {"em": 0}, {"em": "bad"})
     second = RewardResult([0.5], {"em": [0.5]}, {"em": 2}, {"em": 1}, {"em": "worse"})

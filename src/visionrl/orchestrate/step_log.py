@@ -111,7 +111,9 @@ def write_step(
             tb.histogram(step, tags.REWARD_HIST, rewards)
             tb.histogram(step, tags.LENGTH_HIST, [len(c.token_ids) for g in completions for c in g])
         if step % cfg.logging.images_every == 0 or step == 1:
-            samples = rollout_samples(prompts, completions, scores.total, cfg.logging.num_images)
+            samples = rollout_samples(
+                prompts, completions, scores.total, cfg.logging.num_images, cfg.data.prompt_key
+            )
             tb.rollout_images(step, samples)
             tb.rollout_table(step, samples)
         tb.flush()
@@ -120,15 +122,20 @@ def write_step(
 
 
 def rollout_samples(
-    prompts: list[PromptItem], completions: list[list[Completion]], totals: list[float], n: int
+    prompts: list[PromptItem],
+    completions: list[list[Completion]],
+    totals: list[float],
+    n: int,
+    prompt_key: str = "prompt",
 ) -> list[RolloutSample]:
-    """A few rollouts (the first completion of the first `n` groups) for the TensorBoard picture grid."""
+    """A few rollouts (the first completion of the first `n` groups) for the TensorBoard picture grid; the question
+    is the record's `prompt_key` field (data.prompt_key) or its messages' text."""
     out = []
     G = len(completions[0]) if completions else 1
     for i, (p, group) in enumerate(zip(prompts[:n], completions[:n], strict=False)):
         if not p.images:
             continue
-        question = _question_text(p.record)
+        question = _question_text(p.record, prompt_key)
         out.append(
             RolloutSample(
                 image=p.images[0],
@@ -141,9 +148,9 @@ def rollout_samples(
     return out
 
 
-def _question_text(record: dict[str, Any]) -> str:
-    if isinstance(record.get("prompt"), str):
-        return record["prompt"]
+def _question_text(record: dict[str, Any], prompt_key: str) -> str:
+    if isinstance(record.get(prompt_key), str):
+        return str(record[prompt_key]).replace("<image>", "").strip()
     texts = []
     for msg in record.get("messages", []):
         content = msg.get("content")
