@@ -184,3 +184,16 @@ def test_a_valid_data_file_is_counted_and_a_nan_lr_is_refused(folder: Path) -> N
     code, err = _validate(str(job), "train.lr=.inf")
     assert code == 2
     assert "train.lr: must be a finite number (got inf)" in err
+
+
+def test_check_data_reads_the_records_by_the_jobs_layout_keys(folder: Path) -> None:
+    """A Geometry3K-style file (`problem`, `image`, `solution`): training read it by data.prompt_key / image_key /
+    answer_key, `--check-data` ignored them and rejected it, asking for a key that was already set."""
+    data = folder / "geo.jsonl"
+    data.write_text('{"problem": "<image>What colour is it?", "image": "red.png", "solution": "red"}\n')
+    keys = {"prompt_key": "problem", "image_key": "image", "answer_key": "solution"}
+    job = folder / "geo.yaml"
+    job.write_text(yaml.safe_dump({**MINIMAL, "data": {"train": str(data), **keys}}))
+    code, err = _validate(str(job), "--check-data")
+    assert code == 0, err
+    assert f"# data.train: 1 records in {data}" in err

@@ -31,10 +31,12 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     if args.check_data:
         from visionrl.data import load_dataset
+        from visionrl.data.layouts import Layout
 
+        layout = Layout.of(cfg.data)  # the keys training reads the records by
         for key, path in (("data.train", cfg.data.train), ("data.eval", cfg.data.eval)):
             if path is not None:
-                n = len(load_dataset(path, on_bad_image=cfg.data.on_bad_image))
+                n = len(load_dataset(path, on_bad_image=cfg.data.on_bad_image, layout=layout))
                 print(f"# {key}: {n} records in {path}", file=sys.stderr)
     print(dump_config(cfg), end="")
     print(f"# {args.config}: valid", file=sys.stderr)

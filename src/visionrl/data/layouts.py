@@ -49,6 +49,12 @@ class Layout:
     answer_key: str = "answer"
     image_key: str = "images"
 
+    @classmethod
+    def of(cls, data: Any) -> Layout:
+        """The layout a job's `data:` section names (data.prompt_key, answer_key, image_key): every command that
+        reads the job's data (training, `validate --check-data`) reads it by the same keys."""
+        return cls(prompt_key=data.prompt_key, answer_key=data.answer_key, image_key=data.image_key)
+
 
 @dataclass(frozen=True)
 class ImageRef:

@@ -31,7 +31,7 @@ class PromptStream:
         self.cfg = cfg
         self.processor = load_processor(cfg.model.path, ImageBudget.of(cfg.data))
         d = cfg.data
-        layout = Layout(prompt_key=d.prompt_key, answer_key=d.answer_key, image_key=d.image_key)
+        layout = Layout.of(d)
         self.train = self._fit(load_dataset(d.train, on_bad_image=d.on_bad_image, layout=layout))
         self.sampler = PromptSampler(
             self.train, cfg.rollout.prompts_per_step, cfg.train.seed, balance_key=d.balance_key
