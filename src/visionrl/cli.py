@@ -104,6 +104,8 @@ def _eval_budget(args: argparse.Namespace) -> ImageBudget | None:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
+    from visionrl.data.layouts import Layout
+
     common: dict[str, Any] = {
         "data": args.data,
         "out": args.out,
@@ -113,6 +115,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         "rewards": args.reward,
         "seed": args.seed,
         "budget": _eval_budget(args),
+        "layout": Layout(prompt_key=args.prompt_key, answer_key=args.answer_key, image_key=args.image_key),
     }
     if args.endpoint:
         from visionrl.eval.endpoint import check_failures, evaluate_endpoint
@@ -258,6 +261,12 @@ def _eval_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument(
         "--max-images-per-prompt", type=int, help="image budget (data.max_images_per_prompt), default 4"
     )
+    for key, default in (("prompt", "prompt"), ("image", "images"), ("answer", "answer")):
+        sp.add_argument(
+            f"--{key}-key",
+            default=default,
+            help=f"field of a record holding its {key} (data.{key}_key of a job)",
+        )
 
 
 def _served_eval_args(sp: argparse.ArgumentParser) -> None:

@@ -270,3 +270,26 @@ def test_cli_exits_1_when_too_many_requests_failed(
             "--out", str(tmp_path / "gone.json"), "--timeout", "1"]  # fmt: skip
     assert main(gone) == 1
     assert "5 of 5 requests" in capsys.readouterr().err
+
+
+def test_cli_reads_another_layout_by_its_keys(
+    endpoint: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A Geometry3K-style test split (`problem`, `image`, `solution`) evaluated as it is, by the layout flags."""
+    from visionrl.cli import main
+
+    rows = [("red", "red"), ("blue", "blue"), ("green", "red")]
+    lines = []
+    for i, (color, answer) in enumerate(rows):
+        Image.new("RGB", (8, 8), COLORS[color]).save(tmp_path / f"g{i}.png")
+        lines.append(json.dumps({"problem": "<image>What color?", "image": f"g{i}.png", "solution": answer}))
+    data = tmp_path / "geo.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "geo.json"
+    argv = ["eval", "--endpoint", endpoint, "--model", "a1", "--data", str(data), "--out", str(out),
+            "--max-tokens", "3", "--prompt-key", "problem", "--image-key", "image", "--answer-key", "solution"]  # fmt: skip
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["num_samples"] == 3 and report["accuracy"] == pytest.approx(2 / 3)
+    assert main(argv[:-6]) == 2  # without them the records have no `images` field: a clear error, exit 2
+    assert "set data.image_key to the column that holds them" in capsys.readouterr().err

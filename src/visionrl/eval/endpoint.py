@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 from PIL import Image
 
 from visionrl.data.images import ImageBudget, fit_image, grid_factor
+from visionrl.data.layouts import Layout
 from visionrl.errors import InputError, RunError
 from visionrl.eval.report import DEFAULT_REWARDS, EvalSettings
 from visionrl.types import Generation, PromptItem
@@ -167,6 +168,7 @@ def evaluate_endpoint(
     max_retries: int = 2,
     budget: ImageBudget | None = None,
     api_key: str | None = None,
+    layout: Layout | None = None,
 ) -> dict[str, Any]:
     """Evaluate the model or adapter `model` served at `endpoint` (OpenAI base URL) on `data`; write and
     return the report, in the format of `evaluate_local`.
@@ -189,7 +191,7 @@ def evaluate_endpoint(
     forbidden, factor = _base_settings(base) if base else ([], DEFAULT_GRID_FACTOR)
     budget = budget or ImageBudget()
     with settings.reward_fn() as reward_fn:
-        samples = list(load_dataset(data, max_samples=max_samples))
+        samples = list(load_dataset(data, max_samples=max_samples, layout=layout))
         # The server applies the chat template; the prompt text stays empty here.
         prompts = settings.prompts([
             PromptItem("", [fit_image(im, budget, factor) for im in s.images], s.answer, dict(s.record), s.id)

@@ -34,6 +34,7 @@ from visionrl.adapter.manifest import read_local_budget
 from visionrl.adapter.resolve import resolve_adapter
 from visionrl.config import LoraConfig, RolloutConfig
 from visionrl.data.images import ImageBudget
+from visionrl.data.layouts import Layout
 from visionrl.errors import InputError
 from visionrl.eval.report import DEFAULT_REWARDS, EvalSettings
 from visionrl.eval.scoring import score_generations
@@ -196,6 +197,7 @@ def evaluate_local(
     rewards: list[str] | None = None,
     seed: int = 0,
     budget: ImageBudget | None = None,
+    layout: Layout | None = None,
 ) -> dict[str, Any]:
     """Evaluate `base` (+ `adapter`) on `data` with a local engine ("vllm" or "hf"); write and return the report.
 
@@ -221,7 +223,7 @@ def evaluate_local(
     with settings.reward_fn() as reward_fn:
         budget = budget or (read_local_budget(adapter_dir) if adapter_dir else None) or ImageBudget()
         processor = load_processor(base, budget)
-        samples = load_dataset(data, max_samples=max_samples)
+        samples = load_dataset(data, max_samples=max_samples, layout=layout)
         prompts = settings.prompts([build_prompt(sample, processor) for sample in samples])
         forbidden = vision_token_ids(AutoConfig.from_pretrained(base), processor)
         with closing(_build_engine(engine, base, adapter_cfg, forbidden, budget, seed)) as runner:
