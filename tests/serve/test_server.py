@@ -511,16 +511,34 @@ def test_a_network_address_needs_a_key_or_allow_insecure(
     err = capsys.readouterr().err
     assert "error: --host 0.0.0.0 makes the server reachable from the network" in err
     assert "--api-key KEY or the environment variable VLLM_API_KEY" in err and "--allow-insecure" in err
-    open_handle = prepare_server(base, host="0.0.0.0", port=1, allow_insecure=True)
+    port = free_port("0.0.0.0")
+    open_handle = prepare_server(base, host="0.0.0.0", port=port, allow_insecure=True)
     assert open_handle.api_key is None and "VLLM_API_KEY" not in (open_handle.env or {})
     assert "--middleware" not in open_handle.command
-    handle = prepare_server(base, host="0.0.0.0", port=1, api_key="s3cret")
+    handle = prepare_server(base, host="0.0.0.0", port=port, api_key="s3cret")
     assert handle.api_key == "s3cret" and (handle.env or {})["VLLM_API_KEY"] == "s3cret"
     assert "s3cret" not in " ".join(handle.command)
     # with a key, the guard of every route (not only /v1) is loaded into the server
     assert handle.command[handle.command.index("--middleware") + 1] == "visionrl.serve.guard.KeyGuard"
     monkeypatch.setenv("VLLM_API_KEY", "from-env")
-    assert prepare_server(base, host="0.0.0.0", port=1).api_key == "from-env"
+    assert prepare_server(base, host="0.0.0.0", port=port).api_key == "from-env"
+
+
+def test_a_busy_port_is_refused_before_the_model_loads(tmp_path: Path) -> None:
+    """vLLM found a taken port only after loading the model (30 s), with a traceback."""
+    import socket
+
+    from visionrl.serve.server import prepare_server
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        with pytest.raises(
+            InputError, match=rf"port {port} on 127.0.0.1 cannot be used .*pass another --port"
+        ):
+            prepare_server(str(tmp_path), host="127.0.0.1", port=port)
+    assert prepare_server(str(tmp_path), host="127.0.0.1", port=port).command  # free again: accepted
 
 
 class _KeyedAPI(BaseHTTPRequestHandler):

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from visionrl.errors import RunError
+from visionrl.errors import InputError, RunError
 
 PROGRESS_EVERY_S = 10.0
 TAIL_LINES = 200
@@ -51,6 +51,22 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise InputError when `port` on `host` cannot be bound now (another server holds it): vLLM would find out
+    only after loading the model, with a traceback."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(
+            socket.SOL_SOCKET, socket.SO_REUSEADDR, 1
+        )  # as servers bind: a closed socket's wait is no holder
+        try:
+            s.bind((host, port))
+        except OSError as err:
+            raise InputError(
+                f"port {port} on {host} cannot be used ({err.strerror or err}): another server may hold it; "
+                "stop it, or pass another --port"
+            ) from None
 
 
 def root_url(url: str) -> str:

@@ -28,7 +28,14 @@ from visionrl.errors import InputError
 from visionrl.rollout.vllm_platform import cpu_env, cpu_only, fill_env
 from visionrl.serve.adapters import ServedAdapter, list_models, served_adapter
 from visionrl.serve.guard import MIDDLEWARE as GUARD
-from visionrl.serve.process import API_KEY_ENV, ServerError, ServerHandle, api_key_from_env, free_port
+from visionrl.serve.process import (
+    API_KEY_ENV,
+    ServerError,
+    ServerHandle,
+    api_key_from_env,
+    check_port_free,
+    free_port,
+)
 
 CPU_MAX_MODEL_LEN = (
     4096  # the engine's KV cache on CPU is small (VLLM_CPU_KVCACHE_SPACE); keep prompts modest
@@ -152,7 +159,10 @@ def prepare_server(
         served_adapter(name, fetch_adapter(src, cache_dir)) for name, src in _named_sources(adapters).items()
     ]
     cpu = cpu_only()
-    port = free_port(host) if port is None else port
+    if port is None:
+        port = free_port(host)
+    else:
+        check_port_free(host, port)  # before the model loads, not after
     cmd = server_command(base, served, host=host, port=port, cpu=cpu, extra=extra, max_lora_rank=max_lora_rank,
                          max_loras=max_loras, tower_connector_lora=tower_connector_lora)  # fmt: skip
     env = server_env(base, cpu=cpu)
