@@ -183,13 +183,20 @@ def _bad_image_file(tmp_path: Path, kind: str) -> Path:
     _png(tmp_path / "img/a.png")
     if kind == "corrupt":
         (tmp_path / "img/bad.png").write_bytes(b"this is not a png at all")
+    if kind == "thin":  # a strip the processor refuses: longer side over 200 x the shorter
+        Image.new("RGB", (2010, 10), (255, 0, 0)).save(tmp_path / "img/bad.png")
     lines = [_record(id="good1"), _record(image="img/bad.png", id="bad1"), _record(id="good2")]
     return _write_jsonl(tmp_path / "train.jsonl", [*lines, _record(image="img/bad.png", id="bad2")])
 
 
-@pytest.mark.parametrize(
-    ("kind", "reason"), [("missing", "file not found"), ("corrupt", "not a readable image")]
-)
+BAD_IMAGES = [
+    ("missing", "file not found"),
+    ("corrupt", "not a readable image"),
+    ("thin", "2010x10 pixels, an aspect ratio over 200 that the Qwen-VL processor refuses"),
+]
+
+
+@pytest.mark.parametrize(("kind", "reason"), BAD_IMAGES)
 def test_bad_image_error_policy(tmp_path: Path, kind: str, reason: str) -> None:
     path = _bad_image_file(tmp_path, kind)
     with pytest.raises(DatasetError) as info:
@@ -199,9 +206,7 @@ def test_bad_image_error_policy(tmp_path: Path, kind: str, reason: str) -> None:
     assert reason in message and "data.on_bad_image: skip" in message
 
 
-@pytest.mark.parametrize(
-    ("kind", "reason"), [("missing", "file not found"), ("corrupt", "not a readable image")]
-)
+@pytest.mark.parametrize(("kind", "reason"), BAD_IMAGES)
 def test_bad_image_skip_policy(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, kind: str, reason: str
 ) -> None:

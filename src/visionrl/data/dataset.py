@@ -342,6 +342,11 @@ def load_dataset(
     return VisionDataset(path_str, rows, usable, skipped)
 
 
+# The Qwen2-VL / Qwen3-VL image processors refuse images whose longer side is over 200 times the shorter
+# ("absolute aspect ratio must be smaller than 200", their resize rule).
+MAX_ASPECT_RATIO = 200
+
+
 def _first_bad_image(entry: _Entry, decode: bool) -> str | None:
     """Why the first bad image of `entry` is unusable, or None; fills `entry.image_sizes` on the way."""
     for ref in entry.images:
@@ -349,8 +354,14 @@ def _first_bad_image(entry: _Entry, decode: bool) -> str | None:
             reason = ref.problem()
         else:
             reason = None if ref.path is None or os.path.isfile(ref.path) else "file not found"
+        size = ref.size() if reason is None else (0, 0)
+        if max(size) > MAX_ASPECT_RATIO * max(min(size), 1):
+            reason = (
+                f"{size[0]}x{size[1]} pixels, an aspect ratio over {MAX_ASPECT_RATIO} that the Qwen-VL processor "
+                "refuses (training would stop at its first batch); crop or pad it"
+            )
         if reason is not None:
             where = f"image {ref.label!r}" + (f" ({ref.path})" if ref.path else "")
             return f"{where}: {reason}"
-        entry.image_sizes.append(ref.size())
+        entry.image_sizes.append(size)
     return None
