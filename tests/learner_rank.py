@@ -16,14 +16,13 @@ import sys
 
 import torch
 from safetensors.torch import save_file
-from torch.distributed.tensor import distribute_tensor
 
 from visionrl.config import config_from_dict
 from visionrl.data import load_dataset
 from visionrl.data.prompts import build_prompt
 from visionrl.models.sequences import Sequence
 from visionrl.train.learner import Learner, TrainBatch
-from visionrl.train.ranks import full_tensor, join
+from visionrl.train.ranks import full_tensor, join, laid_out_like
 
 WORDS = [
     ["red", "<|im_end|>"],
@@ -52,9 +51,8 @@ def main(argv: list[str]) -> None:
     ):  # a non-zero B, the same on every rank (whole, then sharded): every LoRA weight moves
         for n, p in learner.model.named_parameters():
             if "lora_B" in n:
-                full = (torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.05).to(p.device)
-                mesh = getattr(p, "device_mesh", None)
-                p.copy_(distribute_tensor(full, mesh, p.placements) if mesh is not None else full)
+                full = torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.05
+                p.copy_(laid_out_like(full, p))
     ds = load_dataset(raw["data"]["train"])
     prompts = [build_prompt(ds[i], learner.processor) for i in range(4)]
     vocab = learner.processor.tokenizer.get_vocab()

@@ -89,9 +89,8 @@ class ProbeResult:
 
     tokens_changed: int  # prompts whose first greedy token changed
     largest_change: float  # largest |log-prob change| of a first greedy token that stayed the same (nats)
-    completions: list[
-        list[Completion]
-    ]  # the greedy completions with the probe adapter, for the learner to score
+    # the greedy completions with the probe adapter, for the learner to score
+    completions: list[list[Completion]]
 
 
 class RolloutEngine(Protocol):

@@ -131,7 +131,7 @@ def test_learner_and_engine_agree_after_syncing_a_nonzero_adapter(model_8b: Path
 
     # The start-up probe, one adapter part at a time, as the loop runs it: each part moves the engine's greedy
     # output and the learner computes the engine's log-probs of those tokens well inside the probe's effect.
-    from visionrl.orchestrate.delivery import PartProbe, diffs_by_engine, effects_by_engine, scoring_batch
+    from visionrl.orchestrate.delivery import PartProbe, diffs_by_engine, scoring_batch
 
     for part in learner.probe_parts():
         result = engine.probe(learner.probe_payload(part), prompts)
@@ -141,8 +141,8 @@ def test_learner_and_engine_agree_after_syncing_a_nonzero_adapter(model_8b: Path
             0,
             part,
             result,
-            diffs_by_engine(probe_batch, owners, probed, 1)[0],
-            effects_by_engine(owners, probed, own, 1)[0],
+            diffs_by_engine(owners, [s.sampling_logprobs for s in probe_batch.sequences], probed, 1)[0],
+            diffs_by_engine(owners, probed, own, 1)[0],
         )
         print("probe:", probe.describe())
         assert probe.moved and probe.agrees(0.2), probe.describe()

@@ -15,7 +15,6 @@ from visionrl.orchestrate.delivery import (
     PartProbe,
     check_probes,
     diffs_by_engine,
-    effects_by_engine,
     scoring_batch,
 )
 from visionrl.types import Completion, ProbeResult, PromptItem
@@ -36,10 +35,11 @@ def test_scoring_batch_keeps_each_engines_first_completion_and_its_owner() -> No
     assert owners == [0, 1, 1]
     learner = [[-1.5, -2.0], [-0.25], [-0.2, -7.0]]
     # engine 0: (0.5 + 0) / 2; engine 1: (0.25 + 0.1) / 2, the NaN token has nothing to compare
-    assert diffs_by_engine(batch, owners, learner, 3) == pytest.approx([0.25, 0.175, 0.0])
+    engine = [s.sampling_logprobs for s in batch.sequences]
+    assert diffs_by_engine(owners, engine, learner, 3) == pytest.approx([0.25, 0.175, 0.0])
     own = [[-1.0, -1.0], [-0.25], [-0.2, -6.0]]
     # engine 0: (0.5 + 1.0) / 2; engine 1: (0 + 0 + 1.0) / 3
-    assert effects_by_engine(owners, learner, own, 2) == pytest.approx([0.75, 1 / 3])
+    assert diffs_by_engine(owners, learner, own, 2) == pytest.approx([0.75, 1 / 3])  # the probe's effect
 
 
 def _probe(changed: int, largest: float, diff: float, effect: float, part: str = "merger") -> PartProbe:

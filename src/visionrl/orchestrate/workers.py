@@ -26,7 +26,6 @@ from visionrl.orchestrate.delivery import (
     PartProbe,
     check_probes,
     diffs_by_engine,
-    effects_by_engine,
     scoring_batch,
 )
 from visionrl.orchestrate.failures import resume_hint
@@ -224,8 +223,9 @@ class Workers:
             results = self._get([*calls, *payload.calls], "the adapter probe", True)[: len(calls)]
             batch, owners = scoring_batch(self._probe_prompts, [r.completions for r in results])
             probed, own = self.learners.probe_logprobs(part, batch)
-            diffs = diffs_by_engine(batch, owners, probed, len(results))
-            effects = effects_by_engine(owners, probed, own, len(results))
+            engine_lps = [seq.sampling_logprobs for seq in batch.sequences]
+            diffs = diffs_by_engine(owners, engine_lps, probed, len(results))
+            effects = diffs_by_engine(owners, probed, own, len(results))
             probes += [
                 PartProbe(i, part, r, d, e)
                 for i, r, d, e in zip(indices, results, diffs, effects, strict=True)
@@ -308,7 +308,8 @@ class Workers:
                 "rollout engine(s) %s rebuilt after an internal error: adapter delivery verified", rebuilt
             )
         batch, owners = scoring_batch([prompt], [[[c] if c is not None else []] for c, _ in got])
-        return diffs_by_engine(batch, owners, self.learners.logprobs(batch, temperature=1.0), len(got))
+        learner = self.learners.logprobs(batch, temperature=1.0)
+        return diffs_by_engine(owners, [seq.sampling_logprobs for seq in batch.sequences], learner, len(got))
 
     # 7. evaluate
     def evaluate(self, prompts: list[PromptItem]) -> float | None:

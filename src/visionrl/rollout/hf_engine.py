@@ -96,7 +96,7 @@ class HFEngine:
             after = self.generate(prompts, spec)
         finally:
             self._apply(self._served)
-        return probe_result(before, [[replace(c, adapter_version=payload.version) for c in g] for g in after])
+        return probe_result(before, after, payload.version)
 
     def fingerprint(self, prompt: PromptItem, max_tokens: int) -> Completion | None:
         groups = self.generate([prompt], SamplingSpec(n=1, greedy=True, max_tokens=max_tokens))

@@ -11,9 +11,10 @@ from visionrl.types import ADAPTER_WEIGHTS, AdapterPayload, Completion, ProbeRes
 PROBE_TOKENS = 4  # greedy tokens per probe prompt: enough to compare with the learner, cheap at start-up
 
 
-def probe_result(before: list[list[Completion]], after: list[list[Completion]]) -> ProbeResult:
+def probe_result(before: list[list[Completion]], after: list[list[Completion]], version: int) -> ProbeResult:
     """How the first greedy token of each prompt moved from `before` (the version served) to `after` (the probe
-    adapter): the prompts whose token changed, and the largest |log-prob change| of the tokens that stayed."""
+    adapter, labelled with its `version`): the prompts whose token changed, and the largest |log-prob change| of
+    the tokens that stayed."""
     changed, largest = 0, 0.0
     for b, a in zip(before, after, strict=True):
         if not b or not a or not b[0].token_ids or not a[0].token_ids:
@@ -22,7 +23,8 @@ def probe_result(before: list[list[Completion]], after: list[list[Completion]]) 
             changed += 1
         else:
             largest = max(largest, abs(b[0].logprobs[0] - a[0].logprobs[0]))
-    return ProbeResult(tokens_changed=changed, largest_change=largest, completions=after)
+    labelled = [[replace(c, adapter_version=version) for c in g] for g in after]
+    return ProbeResult(tokens_changed=changed, largest_change=largest, completions=labelled)
 
 
 def as_a_faulty_engine_applies(payload: AdapterPayload) -> AdapterPayload:

@@ -18,7 +18,6 @@ import gc
 import logging
 import os
 import shutil
-from dataclasses import replace
 from typing import Any
 
 from visionrl import faults
@@ -154,7 +153,7 @@ class VLLMEngine:
         finally:
             self._remove(req)
             self._reset_caches()
-        return probe_result(before, [[replace(c, adapter_version=payload.version) for c in g] for g in after])
+        return probe_result(before, after, payload.version)
 
     def fingerprint(self, prompt: PromptItem, max_tokens: int) -> Completion | None:
         groups = self.generate([prompt], SamplingSpec(n=1, greedy=True, max_tokens=max_tokens))

@@ -90,7 +90,6 @@ class Learner:
         self._merge_size = int(getattr(self.processor.image_processor, "merge_size", 2))
         self.forbidden = torch.tensor(vision_token_ids(base.config, self.processor), dtype=torch.long)
         self.pad_id = self._pad_id()
-        self.temperature = cfg.rollout.temperature  # of the policy's log-probs (a probe scores at 1)
         groups = lora_param_groups(self.model, cfg.train.lr, cfg.train.merger_lr, cfg.train.lm_head_lr)
         self.optimizer = torch.optim.AdamW(
             groups, lr=cfg.train.lr, betas=cfg.train.betas, weight_decay=cfg.train.weight_decay
@@ -137,9 +136,10 @@ class Learner:
                 types[input_ids == token] = kind
         return types
 
-    def _stats(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def _stats(self, mb: MicroBatch, temperature: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs and entropies [B, T] of the micro-batch's completion tokens under the sampling distribution
-        (0 at padding); with autograd when grad is enabled (`train.forward` keeps the logits in chunks)."""
+        (0 at padding; `temperature` None: the sampling temperature); with autograd when grad is enabled
+        (`train.forward` keeps the logits in chunks)."""
         dev = self.device
         # No attention mask: every row's padding is at its end, so causal attention alone is exact at the real
         # tokens and keeps SDPA on its fused causal kernel (models.sequences).
@@ -160,7 +160,7 @@ class Learner:
             mb.completion_ids.to(dev),
             mb.completion_mask.to(dev),
             mb.starts,
-            temperature=self.temperature,
+            temperature=temperature or self.cfg.rollout.temperature,
             forbidden=self.forbidden.to(dev),
             chunk_tokens=self.cfg.train.logit_chunk_tokens,
             entropy_grad=self.cfg.algorithm.entropy_coef > 0,  # else only reported
@@ -171,11 +171,8 @@ class Learner:
     ) -> list[list[float]]:
         """Log-probs of every sequence's completion tokens (with the adapter, or the base model), at the sampling
         temperature unless `temperature` is given."""
-        seqs, self.temperature = batch.sequences, temperature or self.cfg.rollout.temperature
-        try:
-            store = self._precompute(self.encode_prompts(batch.prompts), seqs, range(len(seqs)), adapter)
-        finally:
-            self.temperature = self.cfg.rollout.temperature
+        seqs, encoded = batch.sequences, self.encode_prompts(batch.prompts)
+        store = self._precompute(encoded, seqs, range(len(seqs)), adapter, temperature)
         return [store[row][: len(seq.completion_ids)].tolist() for row, seq in enumerate(seqs)]
 
     def _micro_batches(
@@ -286,10 +283,15 @@ class Learner:
 
     @torch.no_grad()
     def _precompute(
-        self, encoded: list[EncodedPrompt], seqs: list[Sequence], rows: Any, adapter: bool
+        self,
+        encoded: list[EncodedPrompt],
+        seqs: list[Sequence],
+        rows: Any,
+        adapter: bool,
+        temperature: float | None = None,
     ) -> dict[int, torch.Tensor]:
         """No-grad log-probs of the sequences `rows` (padded to their micro-batch): old policy or, adapter off,
-        the reference model."""
+        the reference model (`temperature` None: the sampling temperature)."""
         self.model.eval()
         out: dict[int, torch.Tensor] = {}
         train = self.cfg.train
@@ -299,7 +301,7 @@ class Learner:
         self._even_out(mbs, encoded, seqs)
         for mb in mbs:
             with contextlib.nullcontext() if adapter else self.model.disable_adapter():
-                lp, _ = self._stats(mb)
+                lp, _ = self._stats(mb, temperature)
             if not mb.rows:  # a filler: nothing to keep
                 continue
             lp = lp.cpu()

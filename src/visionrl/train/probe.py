@@ -15,13 +15,13 @@ import torch
 
 from visionrl.models.loader import in_vision_tower
 from visionrl.train.mismatch import AdapterSnapshot
+from visionrl.train.ranks import laid_out_like
 
 LANGUAGE, MERGER = "language model", "merger"
 PARTS = (LANGUAGE, MERGER)
 PROBE_VERSION = -1  # never a version the learner trains: a probe adapter is never served for rollouts
-PROBE_STD = (
-    0.05  # B ~ N(0, 0.05^2): moves a greedy log-prob of the tiny and the 8B-shaped model by far over 1e-4
-)
+# B ~ N(0, 0.05^2): moves a greedy log-prob of the tiny and the 8B-shaped model by far over 1e-4
+PROBE_STD = 0.05
 
 
 def part_of(name: str) -> str:
@@ -49,16 +49,5 @@ def probe_weights(named: list[tuple[str, torch.Tensor]], part: str, seed: int) -
         elif part_of(name) != part:
             weights.append(torch.zeros_like(p))
         else:  # drawn for every B of the part in the same order on every rank
-            weights.append(_like(torch.randn(tuple(p.shape), generator=gen) * PROBE_STD, p))
+            weights.append(laid_out_like(torch.randn(tuple(p.shape), generator=gen) * PROBE_STD, p))
     return AdapterSnapshot(PROBE_VERSION, weights)
-
-
-def _like(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """`full` (a whole tensor) with `p`'s device, dtype and (for a sharded parameter) sharding."""
-    full = full.to(device=p.device, dtype=p.dtype)
-    mesh = getattr(p, "device_mesh", None)
-    if mesh is None:
-        return full
-    from torch.distributed.tensor import distribute_tensor
-
-    return distribute_tensor(full, mesh, p.placements)  # type: ignore[attr-defined]

@@ -190,6 +190,18 @@ def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimize
     return get_optimizer_state_dict(model, optimizer, options=options)
 
 
+def laid_out_like(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """`full` (a whole tensor, the same on every rank) with `p`'s device and dtype and, for a sharded parameter,
+    its sharding: this rank's shard (a collective then: every rank calls it)."""
+    full = full.to(device=p.device, dtype=p.dtype)
+    mesh = getattr(p, "device_mesh", None)
+    if mesh is None:
+        return full
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full, mesh, p.placements)  # type: ignore[attr-defined]
+
+
 def adapter_file_key(name: str) -> str:
     """The name of a LoRA parameter (`...lora_A.default.weight`) in peft's adapter file (`...lora_A.weight`)."""
     return name.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")
@@ -204,14 +216,11 @@ def load_sharded_state(
     """Whole adapter weights (peft's file names) and optimizer state into a sharded model: each rank keeps its
     shard (a collective)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-    from torch.distributed.tensor import distribute_tensor
 
     with torch.no_grad():
         for name, p in model.named_parameters():
             key = adapter_file_key(name)
             if p.requires_grad and key in weights:
-                full = weights[key].to(device=p.device, dtype=p.dtype)
-                mesh = getattr(p, "device_mesh", None)
-                p.copy_(distribute_tensor(full, mesh, p.placements) if mesh is not None else full)  # type: ignore[attr-defined]
+                p.copy_(laid_out_like(weights[key], p))
     options = StateDictOptions(full_state_dict=True)
     set_optimizer_state_dict(model, optimizer, optim_state_dict=optim_state, options=options)
