@@ -3,6 +3,9 @@
 PY := .venv/bin/python
 DEMO_DIR ?= runs/demo
 PYTEST_ARGS ?=
+# `make test` runs the test files on this many processes (pytest-xdist, a file's tests together so they share its
+# Ray session): the integration tests leave a core idle about half the time (waiting on actors and deadlines).
+TEST_WORKERS ?= 2
 
 .PHONY: setup demo test test-fast lint format clean-demo
 
@@ -13,7 +16,7 @@ demo: setup
 	@$(PY) -m visionrl.demo --dir $(DEMO_DIR)
 
 test: setup
-	@$(PY) -m pytest --durations=15 $(PYTEST_ARGS)
+	@$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS)
 
 test-fast: setup
 	@$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)

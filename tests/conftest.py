@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -152,12 +153,29 @@ def _ray_of_each_test(request: pytest.FixtureRequest) -> Iterator[None]:
         yield
 
 
+def _built_once(factory: pytest.TempPathFactory, name: str, build: Callable[[Path], Path]) -> Path:
+    """What `build(folder)` makes, made once per test run: the parallel workers of `make test` (pytest-xdist) share
+    it, the first one building it under a lock in their common temp root while the others wait."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return build(factory.mktemp(name))
+    from filelock import FileLock
+
+    root = factory.getbasetemp().parent / f"shared-{name}"
+    with FileLock(f"{root}.lock"):
+        done = root / ".built"
+        if not done.is_file():
+            shutil.rmtree(root, ignore_errors=True)
+            root.mkdir()
+            done.write_text(str(build(root).relative_to(root)))
+        return root / done.read_text()
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random-weight tiny Qwen3-VL checkpoint (no pre-training: fast)."""
     from visionrl.models.tiny import build_tiny_model
 
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+    return _built_once(tmp_path_factory, "tiny", lambda d: build_tiny_model(d / "model", seed=0))
 
 
 @pytest.fixture(scope="session")
@@ -165,7 +183,9 @@ def tiny_qwen25_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random-weight tiny Qwen2.5-VL checkpoint (`init-tiny-model --arch qwen2_5_vl`)."""
     from visionrl.models.tiny import build_tiny_model
 
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-q25") / "model", seed=0, arch="qwen2_5_vl")
+    return _built_once(
+        tmp_path_factory, "tiny-q25", lambda d: build_tiny_model(d / "model", seed=0, arch="qwen2_5_vl")
+    )
 
 
 @pytest.fixture(scope="session")
@@ -173,7 +193,9 @@ def pretrained_tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny base the demo uses: random init + the short supervised pre-training (~30 s)."""
     from visionrl.models.tiny import build_tiny_model
 
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-pre") / "model", seed=0, pretrain=True)
+    return _built_once(
+        tmp_path_factory, "tiny-pre", lambda d: build_tiny_model(d / "model", seed=0, pretrain=True)
+    )
 
 
 @pytest.fixture(scope="session")
@@ -181,9 +203,11 @@ def color_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The synthetic colour task: 256 train / 64 eval records."""
     from visionrl.data.synthetic import make_dataset
 
-    out = tmp_path_factory.mktemp("color")
-    make_dataset(out, "color", num_train=256, num_eval=64, seed=0)
-    return out
+    def build(out: Path) -> Path:
+        make_dataset(out, "color", num_train=256, num_eval=64, seed=0)
+        return out
+
+    return _built_once(tmp_path_factory, "color", build)
 
 
 @pytest.fixture

@@ -39,7 +39,7 @@ LAYERS: Floors = [
     ("adapter", ("visionrl.adapter",)),
     ("models", ("visionrl.models",)),
     ("engines and learner", ("visionrl.rollout", "visionrl.train")),
-    ("evaluation and serving", ("visionrl.eval", "visionrl.serve")),
+    ("evaluation and serving", ("visionrl.eval", "visionrl.serve", "visionrl.judge")),
     ("orchestration", ("visionrl.orchestrate",)),
     ("entry points", ("visionrl.cli", "visionrl.demo")),
 ]  # fmt: skip

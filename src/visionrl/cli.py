@@ -354,9 +354,10 @@ def _init_tiny_model_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument(
         "--recipe",
         default="color",
-        choices=["color", "same_color", "easy-vqa"],
+        choices=["color", "same_color", "easy-vqa", "judge-color"],
         help="the task the pre-trained base is made for: it answers that task in format, at chance "
-        "(easy-vqa also adds the data set's words to the tokenizer)",
+        "(easy-vqa also adds the data set's words to the tokenizer); judge-color makes a tiny judge instead, "
+        "which answers yes or no to configs/judges/color_match.txt (a `judge` reward's model)",
     )
 
 

@@ -21,6 +21,7 @@ from visionrl.config_ray import RayConfig
 from visionrl.config_rollout import RolloutConfig
 from visionrl.config_yaml import ConfigError, Section, UniqueKeyLoader, apply_overrides
 from visionrl.data.images import DEFAULT_MAX_IMAGES, DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS
+from visionrl.rewards.judge import JUDGE, JudgeSpec, load_template
 from visionrl.rewards.registry import RewardConfigError, RewardSpec, resolve_reward
 
 # Default LoRA targets: the language model's projections only (never the vision blocks, whose
@@ -77,7 +78,8 @@ class LoraConfig(Section):
 
 class RewardConfig(Section):
     name: str = Field(
-        description="A built-in reward (exact_match, choice, numeric, format, iou) or 'pkg.module:function'."
+        description="A built-in reward (exact_match, choice, numeric, format, iou), 'judge' (a model scores the "
+        "completions: README, Rewards) or 'pkg.module:function'."
     )
     weight: float = Field(
         1.0, ge=-1e6, le=1e6, description="Weight in the total reward (weighted sum), within +-1e6."
@@ -353,6 +355,15 @@ class JobConfig(Section):
             )
         return self
 
+    def reward_specs(self, judges: bool = True) -> list[RewardSpec]:
+        """The job's rewards in the job file's order; without `judges`, the rule rewards only (built-ins and user
+        functions, which the reward workers score; judges score in batches: `orchestrate.judging`)."""
+        return [
+            RewardSpec(name=r.name, weight=r.weight, kwargs=dict(r.kwargs))
+            for r in self.rewards
+            if judges or r.name != JUDGE
+        ]
+
     def placement_plan(self) -> PlacementPlan:
         """Which placement-group bundle each learner rank and engine of this job goes to."""
         r, ro = self.ray, self.rollout
@@ -376,10 +387,16 @@ class JobConfig(Section):
     def validate_rewards_resolve(self) -> JobConfig:
         # Resolving imports user functions and binds kwargs, so an unknown name, a module that does not
         # import or a keyword the function does not take fails here, before Ray or any model starts.
+        # A judge's keys and its template file (readable, placeholders known) are checked here too.
         for i, reward in enumerate(self.rewards):
             try:
-                resolve_reward(RewardSpec(name=reward.name, weight=reward.weight, kwargs=dict(reward.kwargs)))
-            except RewardConfigError as err:
+                if reward.name == JUDGE:
+                    load_template(JudgeSpec.from_kwargs(reward.kwargs).template)
+                else:
+                    resolve_reward(
+                        RewardSpec(name=reward.name, weight=reward.weight, kwargs=dict(reward.kwargs))
+                    )
+            except (RewardConfigError, ValueError) as err:
                 raise ValueError(f"rewards[{i}]: {err}") from None
         return self
 

@@ -26,6 +26,8 @@ FAULTS = {
     "generate call",
     "kill_reward_worker": "once: reward worker 0 exits on its 2nd score call",
     "hang_reward_worker": "once: reward worker 0 blocks forever (a reward holding the GIL) on its 2nd score call",
+    "kill_judge": "once: judge actor 0 exits on its 2nd judge call",
+    "hang_judge": "once: judge actor 0 blocks forever on its 2nd judge call",
     "kill_learner": "the learner (rank 0) exits during its 2nd train_step",
     "fail_learner_setup": "learner rank 1 raises in its setup (joining the group and loading the model)",
     "nonfinite_loss": "every learner update computes a NaN loss (and so NaN gradients), as a diverged run does",
@@ -71,10 +73,10 @@ def at_call(name: str, index: int, calls: int) -> None:
         return
     if not fire_once(name):
         return
-    if name in ("kill_engine", "kill_reward_worker"):
+    if name in ("kill_engine", "kill_reward_worker", "kill_judge"):
         os._exit(1)
     if name == "freeze_engine":
         os.kill(os.getpid(), signal.SIGSTOP)
-    if name == "hang_reward_worker":
+    if name in ("hang_reward_worker", "hang_judge"):
         while True:
             time.sleep(3600)

@@ -19,6 +19,7 @@ class RolloutSample:
     completion: str
     answer: str
     reward: float
+    verdict: str = ""  # the judge's verdict on this completion (a `judge` reward), e.g. "yes 0.93"
 
 
 GRID_PAD = 8  # px between cells and around the grid
@@ -114,7 +115,8 @@ def _draw_cell(canvas: Image.Image, sample: RolloutSample, x0: int, y0: int, cel
     # The reward is a coloured bar, not coloured text, so it reads at a glance in a grid of many cells.
     colour = _GOOD if sample.reward > 0.5 else _BAD
     draw.rectangle((x0, y, x0 + cell - 1, y + LINE_HEIGHT - 1), fill=colour)
-    draw.text((x0 + 2, y), f"reward {sample.reward:.2f}", fill=(255, 255, 255), font=font)
+    label = f"reward {sample.reward:.2f}" + (f"  judge {sample.verdict}" if sample.verdict else "")
+    draw.text((x0 + 2, y), label, fill=(255, 255, 255), font=font)
 
 
 def render_rollout_grid(samples: Sequence[RolloutSample], cols: int = 4, cell: int = 192) -> Image.Image:
@@ -152,9 +154,13 @@ def _markdown_cell(text: str) -> str:
 
 
 def samples_markdown(samples: Sequence[RolloutSample], max_chars: int = MAX_COMPLETION_CHARS) -> str:
-    """A Markdown table of `samples` (question, completion cut to `max_chars`, answer, reward)."""
-    rows = ["| # | question | completion | answer | reward |", "|---|---|---|---|---|"]
+    """A Markdown table of `samples` (question, completion cut to `max_chars`, answer, reward, and the judge's
+    verdict when a judge scored them)."""
+    judged = any(s.verdict for s in samples)
+    rows = ["| # | question | completion | answer | reward |" + (" judge |" if judged else "")]
+    rows.append("|---|---|---|---|---|" + ("---|" if judged else ""))
     for i, s in enumerate(samples):
         cells = [s.question, truncate(s.completion, max_chars), s.answer]
-        rows.append(f"| {i} | " + " | ".join(_markdown_cell(c) for c in cells) + f" | {s.reward:.2f} |")
+        row = f"| {i} | " + " | ".join(_markdown_cell(c) for c in cells) + f" | {s.reward:.2f} |"
+        rows.append(row + (f" {_markdown_cell(s.verdict)} |" if judged else ""))
     return "\n".join(rows)

@@ -83,6 +83,21 @@ class AdapterPayload:
     files: dict[str, bytes]
 
 
+@dataclass(frozen=True)
+class JudgeAsk:
+    """What a judge engine answers for each prompt: with `yes_ids` and `no_ids`, the share of the yes tokens among
+    the yes and no tokens as its next token (P(yes) / (P(yes) + P(no))); with none, its greedy answer of at most
+    `max_tokens` tokens (text)."""
+
+    yes_ids: tuple[int, ...] = ()
+    no_ids: tuple[int, ...] = ()
+    max_tokens: int = 32
+
+    @property
+    def wants_text(self) -> bool:
+        return not self.yes_ids
+
+
 @dataclass
 class ProbeResult:
     """What a probe adapter did to an engine's greedy output on the probe prompts (`RolloutEngine.probe`)."""
@@ -117,6 +132,12 @@ class RolloutEngine(Protocol):
     def fingerprint(self, prompt: PromptItem, max_tokens: int) -> Completion | None:
         """The greedy completion of `prompt` under the version served (None if the engine rejects it), leaving
         nothing behind that could change later generations (caches)."""
+        ...
+
+    def judge(self, prompts: list[PromptItem], ask: JudgeAsk) -> list[float | str | None]:
+        """The base model's verdict on each prompt (the adapter switched off; a judge model's own engine has none):
+        a yes share or a text as `ask` says, None for a prompt the engine rejects. Leaves the served adapter and
+        nothing cached behind."""
         ...
 
     def rebuilds(self) -> int:

@@ -180,7 +180,7 @@ def test_out_of_memory_names_the_learner_phase_and_the_fix(model_8b: Path, count
     from visionrl.data.prompts import build_prompt
     from visionrl.errors import OutOfMemory
     from visionrl.models.sequences import Sequence
-    from visionrl.orchestrate.actors import _memory_guard
+    from visionrl.orchestrate.actors import memory_guard
     from visionrl.train.learner import Learner, TrainBatch
 
     raw = _job(model_8b, count_data, Path("unused"))
@@ -195,7 +195,7 @@ def test_out_of_memory_names_the_learner_phase_and_the_fix(model_8b: Path, count
         for i in range(64)
     ]
     with pytest.raises(OutOfMemory) as err:
-        with _memory_guard("learner", "train_step", cfg):
+        with memory_guard("learner", "train_step", cfg):
             learner.train_step(TrainBatch(prompts, seqs))
     text = str(err.value)
     assert text.startswith("the learner ran out of memory during train_step. GPU memory:")

@@ -37,9 +37,9 @@ class _Failing:
         self.cfg = cfg
 
     def oom(self) -> None:
-        from visionrl.orchestrate.actors import _memory_guard
+        from visionrl.orchestrate.actors import memory_guard
 
-        with _memory_guard("learner", "train_step", self.cfg):
+        with memory_guard("learner", "train_step", self.cfg):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
 
     def bad_value(self) -> None:

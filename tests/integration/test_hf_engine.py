@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from visionrl.config import LoraConfig
@@ -69,3 +70,35 @@ def test_merged_generation_equals_the_unmerged_adapter(
     assert [c.token_ids for c in merged] == [c.token_ids for c in unmerged]
     for a, b in zip(merged, unmerged, strict=True):
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4
+
+
+def test_the_judge_is_the_base_model_and_the_served_adapter_stays(
+    tiny_model: Path, color_data: Path, tmp_path: Path
+) -> None:
+    """`judge` (backend engine) answers with the base model while an adapter is served, and leaves it served."""
+    from visionrl.data import load_dataset
+    from visionrl.data.prompts import build_prompt
+    from visionrl.types import JudgeAsk, SamplingSpec
+
+    def engine() -> HFEngine:
+        return HFEngine(
+            str(tiny_model), lora=LoraConfig(rank=8, train_merger=True), forbidden_token_ids=[], device="cpu"
+        )
+
+    served, base = engine(), engine()
+    served.load_adapter(_payload(tiny_model, tmp_path, seed=3, version=1))
+    ds = load_dataset(color_data / "eval.jsonl")
+    prompts = [build_prompt(ds[i], served.processor) for i in range(4)]
+    spec = SamplingSpec(n=1, greedy=True, max_tokens=4)
+    before = [g[0].token_ids for g in served.generate(prompts, spec)]
+    tok = served.processor.tokenizer
+    ask = JudgeAsk(yes_ids=(tok.convert_tokens_to_ids("yes"),), no_ids=(tok.convert_tokens_to_ids("no"),))
+    shares, texts = served.judge(prompts, ask), served.judge(prompts, JudgeAsk(max_tokens=4))
+    assert [g[0].token_ids for g in served.generate(prompts, spec)] == before
+    assert before != [g[0].token_ids for g in base.generate(prompts, spec)]  # the adapter matters here
+    assert texts == [g[0].text for g in base.generate(prompts, spec)]
+    for prompt, share in zip(prompts, shares, strict=True):
+        enc = base.processor(text=[prompt.text], images=prompt.images, return_tensors="pt")
+        with torch.no_grad():
+            logits = base.model(**enc).logits[0, -1, [*ask.yes_ids, *ask.no_ids]]
+        assert share == pytest.approx(float(torch.softmax(logits, -1)[0]), abs=1e-5)

@@ -33,16 +33,18 @@ QUESTION = "What color is the shape?"
 IMAGE_COLORS = [(220, 40, 40), (40, 170, 60), (40, 70, 220), (235, 205, 40)]
 
 
-def prompt_text(processor: Any) -> str:
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
+def prompt_text(processor: Any, question: str = QUESTION) -> str:
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
     return processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
-def encode(processor: Any, rgb: tuple[int, int, int] = IMAGE_COLORS[0]) -> dict[str, torch.Tensor]:
+def encode(
+    processor: Any, rgb: tuple[int, int, int] = IMAGE_COLORS[0], text: str | None = None
+) -> dict[str, torch.Tensor]:
     """One image prompt, encoded as the model's forward wants it (mm_token_type_ids included)."""
     image = Image.new("RGB", (64, 64), (255, 255, 255))
     image.paste(rgb, (8, 8, 48, 40))
-    return dict(processor(text=[prompt_text(processor)], images=[image], return_tensors="pt"))
+    return dict(processor(text=[text or prompt_text(processor)], images=[image], return_tensors="pt"))
 
 
 def logits(model: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -334,8 +336,10 @@ def hf_greedy(model: Any, processor: Any, forbidden: list[int], max_tokens: int)
 @pytest.mark.slow
 def test_vllm_serves_the_tiny_model_with_lm_and_merger_lora(tiny_model: Path, tmp_path: Path) -> None:
     pytest.importorskip("vllm")
+    from dataclasses import replace
+
     from visionrl.rollout.vllm_engine import VLLMEngine
-    from visionrl.types import PromptItem, SamplingSpec
+    from visionrl.types import JudgeAsk, PromptItem, SamplingSpec
 
     processor = load_processor(tiny_model)
     base = load_base_model(tiny_model)
@@ -360,6 +364,7 @@ def test_vllm_serves_the_tiny_model_with_lm_and_merger_lora(tiny_model: Path, tm
     payloads = [adapter_payload(both, tmp_path / "v1", 1), adapter_payload(merger, tmp_path / "v2", 2)]
 
     text = prompt_text(processor)
+    judge_text = prompt_text(processor, "is the shape red ? answer yes or no")
     prompts = []
     for rgb in IMAGE_COLORS:
         image = Image.new("RGB", (64, 64), (255, 255, 255))
@@ -380,6 +385,15 @@ def test_vllm_serves_the_tiny_model_with_lm_and_merger_lora(tiny_model: Path, tm
         for payload in payloads:
             assert engine.load_adapter(payload) == payload.version
             outputs[f"v{payload.version}"] = engine.generate(prompts, spec)
+        # The judge (backend engine): the base model answers under a zero adapter while v2 is served; the served
+        # adapter is untouched afterwards.
+        yes, no = (processor.tokenizer.convert_tokens_to_ids(w) for w in ("yes", "no"))
+        judge_prompts = [replace(p, text=judge_text) for p in prompts]
+        shares = engine.judge(judge_prompts, JudgeAsk(yes_ids=(yes,), no_ids=(no,)))
+        judge_texts = engine.judge(prompts, JudgeAsk(max_tokens=8))
+        assert [g[0].token_ids for g in engine.generate(prompts, spec)] == [
+            g[0].token_ids for g in outputs["v2"]
+        ]
         # An internal error in a batch: the old engine is shut down first, a new one built with the adapter it
         # served, and the batch retried once; the rebuild is counted (the loop probes a rebuilt engine again).
         old, shut = engine._llm, []
@@ -411,3 +425,14 @@ def test_vllm_serves_the_tiny_model_with_lm_and_merger_lora(tiny_model: Path, tm
     # Greedy tokens equal transformers + peft for the base and for the merger-only adapter (fp32).
     assert tokens["base"] == hf_greedy(base, processor, forbidden, 8)
     assert tokens["v2"] == hf_greedy(merger, processor, forbidden, 8)
+    # The judge's verdicts are the base model's: its text, and its share of yes among yes and no (transformers).
+    decode = processor.tokenizer.decode
+    # (vLLM's incremental detokenizer puts a space before the first word that the tokenizer's decode leaves out)
+    assert [t.strip() for t in judge_texts] == [decode(t, skip_special_tokens=True) for t in tokens["base"]]
+    expected = []
+    for rgb in IMAGE_COLORS:
+        with torch.no_grad():
+            logits = base(**encode(processor, rgb, judge_text)).logits[0, -1, [yes, no]].float()
+        expected.append(float(torch.softmax(logits, -1)[0]))
+    assert shares == pytest.approx(expected, abs=1e-4)
+    assert max(shares) - min(shares) > 1e-4  # the images change the verdict: the judge sees them

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
+
+from PIL import Image
 
 from visionrl.data.dataset import Sample
 from visionrl.data.images import fit_to_processor
@@ -35,3 +38,27 @@ def build_prompt(sample: Sample, processor: Any, system_prompt: str | None = Non
         record=record,
         sample_id=sample.id,
     )
+
+
+def user_prompt(processor: Any, text: str, images: Sequence[Image.Image]) -> PromptItem:
+    """One user message (the images, then `text`) chat-templated for `processor`'s model, its images fitted into
+    the processor's pixel bounds: how a judge model is asked."""
+    content = [*({"type": "image"} for _ in images), {"type": "text", "text": text}]
+    templated = processor.apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+    )
+    return PromptItem(text=templated, images=[fit_to_processor(image, processor) for image in images])
+
+
+def question_text(record: dict[str, Any], prompt_key: str = "prompt") -> str:
+    """The question a record asks: its `prompt_key` field (image markers removed), else its messages' text."""
+    if isinstance(record.get(prompt_key), str):
+        return str(record[prompt_key]).replace("<image>", "").strip()
+    texts = []
+    for msg in record.get("messages", []):
+        content = msg.get("content")
+        if isinstance(content, str):
+            texts.append(content)
+        else:
+            texts.extend(part.get("text", "") for part in content or [] if part.get("type") == "text")
+    return " ".join(t for t in texts if t)

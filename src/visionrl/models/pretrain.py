@@ -23,6 +23,16 @@ from visionrl.models.sequences import EncodedPrompt, Sequence, collate
 TRUE_LABEL_TASKS = ("position", "count", "sides")
 RANDOM_LABEL_TASK = "color"
 EASY_VQA = "easy-vqa"
+JUDGE_COLOR = "judge-color"
+# The tiny judge's question (a `judge` reward template); configs/judges/color_match.txt holds the same text.
+COLOR_MATCH_TEMPLATE = (
+    "Question: {question}\nProposed answer: {completion}\n"
+    "Is the proposed answer the color of the shape in the image? Answer yes or no."
+)
+JUDGE_EXAMPLES_PER_TASK = (
+    6  # the judge's lesson gets this many times a task's examples: it is the recipe's point
+)
+JUDGE_JUNK_SHARE = 0.15  # candidate answers that are no colour at all (an early policy's words): always "no"
 # Which tasks a base learns with true labels and which only in format (random labels), per task a GRPO run
 # then has to learn. "color" is the demo's base. For the two-image `same_color` task the base reads colours
 # (real bases do) and knows the yes/no format, but not the comparison of two images, which GRPO must learn.
@@ -34,6 +44,9 @@ RECIPES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     # colour); which colour word fits which easy-VQA image is left to GRPO. Without the synthetic colours the
     # tower has no colour features, and colour questions stay at chance (README, easy-VQA).
     EASY_VQA: ((*TRUE_LABEL_TASKS, "color"), (EASY_VQA,)),
+    # A tiny judge (the `judge` reward's model): it reads colours, and answers yes or no to "is this answer the colour
+    # of the shape?" asked through COLOR_MATCH_TEMPLATE, with true labels.
+    JUDGE_COLOR: ((*TRUE_LABEL_TASKS, "color", JUDGE_COLOR), ()),
 }
 
 
@@ -54,12 +67,41 @@ def _examples(
         if name == EASY_VQA:
             out.extend(_easy_vqa_examples(rng, 4 * num_per_task))
             continue
+        if name == JUDGE_COLOR:
+            out.extend(_judge_examples(rng, JUDGE_EXAMPLES_PER_TASK * num_per_task, image_size))
+            continue
         task = TASKS[name]
         for answer in balanced_answers(rng, task.answers, num_per_task):
             item = task.render(rng, answer, image_size)
             target = rng.choice(task.answers) if name in random_tasks else item.answer
             out.append((task.question, item.images, target))
     rng.shuffle(out)
+    return out
+
+
+def _judge_examples(
+    rng: random.Random, num: int, image_size: int
+) -> list[tuple[str, list[Image.Image], str]]:
+    """The judge's lesson: a colour picture, the colour question with a candidate answer in COLOR_MATCH_TEMPLATE, and
+    "yes" exactly when the candidate is the shape's colour (half the time; otherwise another colour or a word that
+    is no colour)."""
+    from visionrl.data.synthetic import task_vocabulary
+    from visionrl.rewards.judge import render
+
+    task = TASKS["color"]
+    junk = [w for w in task_vocabulary() if w.isalpha() and w not in task.answers]
+    out = []
+    for answer in balanced_answers(rng, task.answers, num):
+        item = task.render(rng, answer, image_size)
+        right = rng.random() < 0.5
+        if right:
+            candidate = item.answer
+        elif rng.random() < JUDGE_JUNK_SHARE / 0.5:
+            candidate = rng.choice(junk)
+        else:
+            candidate = rng.choice([a for a in task.answers if a != item.answer])
+        text = render(COLOR_MATCH_TEMPLATE, task.question, None, candidate)
+        out.append((text, item.images, "yes" if right else "no"))
     return out
 
 

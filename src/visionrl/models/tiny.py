@@ -278,6 +278,12 @@ def build_tiny_model(
         from visionrl.data.easy_vqa import vocabulary
 
         words += vocabulary()
+    if recipe == "judge-color":  # a judge: the words of its template and of the completion's delimiters
+        from visionrl.data.synthetic import split_words
+        from visionrl.models.pretrain import COLOR_MATCH_TEMPLATE
+        from visionrl.rewards.judge import CLOSE, OPEN
+
+        words += split_words(COLOR_MATCH_TEMPLATE.format(question="", completion=OPEN + CLOSE))
     vocab = train_tokenizer(words, out)
     config = getattr(transformers, classes["config"])(**tiny_config_dict(len(vocab), vocab, arch))
 

@@ -147,7 +147,7 @@ def _memory_settings(cfg: JobConfig) -> dict[str, object]:
 
 
 @contextlib.contextmanager
-def _memory_guard(actor: str, phase: str, cfg: JobConfig) -> Iterator[None]:
+def memory_guard(actor: str, phase: str, cfg: JobConfig) -> Iterator[None]:
     """Turn an out-of-memory error inside an actor into one that says where, how much and what to change."""
     import torch
 
@@ -191,7 +191,7 @@ class LearnerActor:
         # Every later collective is inside one remote call, whose deadline is ray.call_timeout_s.
         timeout = max(self.cfg.ray.startup_timeout_s, self.cfg.ray.call_timeout_s)
         ranks = join(self.rank, self.world, address, "nccl" if cuda else "gloo", fsdp=fsdp, timeout_s=timeout)
-        with _memory_guard("learner", "loading the model", self.cfg):
+        with memory_guard("learner", "loading the model", self.cfg):
             self.learner = Learner(self.cfg, ranks=ranks)
         return self.learner.forbidden.tolist()
 
@@ -240,14 +240,14 @@ class LearnerActor:
         return self._rank0("logprobs", lambda learner: learner.logprobs(batch, adapter, temperature))
 
     def placement(self) -> dict[str, Any]:
-        return _placement()
+        return placement()
 
     def _rank0(self, phase: str, run: Callable[[Learner], T]) -> T | None:
         """`run(learner)` on this rank, an out-of-memory error turned into one that says what to change; rank 0's
         result (None on the other ranks)."""
         if self.learner is None:
             raise RuntimeError(f"learner rank {self.rank}: {phase} before setup")
-        with _memory_guard("learner", phase, self.cfg):
+        with memory_guard("learner", phase, self.cfg):
             out = run(self.learner)
         return out if self.rank == 0 else None
 
@@ -260,7 +260,7 @@ class RolloutActor:
 
             torch.set_num_threads(cfg.train.torch_threads)
         self.cfg, self.index, self.calls = cfg, index, 0
-        with _memory_guard("rollout engine", "start-up", cfg):
+        with memory_guard("rollout engine", "start-up", cfg):
             self.engine = make_engine(
                 cfg.model.path,
                 lora=cfg.lora,
@@ -275,35 +275,35 @@ class RolloutActor:
         self.calls += 1
         for fault in ("kill_engine", "freeze_engine"):
             faults.at_call(fault, self.index, self.calls)
-        with _memory_guard("rollout engine", "generation", self.cfg):
+        with memory_guard("rollout engine", "generation", self.cfg):
             return self.engine.generate(prompts, spec)
 
     def load_adapter(self, payload: AdapterPayload) -> int:
-        with _memory_guard("rollout engine", "the adapter sync", self.cfg):
+        with memory_guard("rollout engine", "the adapter sync", self.cfg):
             return self.engine.load_adapter(payload)
 
     def probe(self, payload: AdapterPayload, prompts: list[PromptItem]) -> ProbeResult:
-        with _memory_guard("rollout engine", "the adapter probe", self.cfg):
+        with memory_guard("rollout engine", "the adapter probe", self.cfg):
             return self.engine.probe(payload, prompts)
 
     def fingerprint(self, prompt: PromptItem, max_tokens: int) -> tuple[Completion | None, int]:
         """The greedy completion of `prompt` under the version served (None if the engine rejects it), and the
         engine's rebuilds so far. Not a `generate` call: the fault injection's call counts stay as they were."""
-        with _memory_guard("rollout engine", "the adapter fingerprint", self.cfg):
+        with memory_guard("rollout engine", "the adapter fingerprint", self.cfg):
             return self.engine.fingerprint(prompt, max_tokens), self.engine.rebuilds()
 
     def sleep(self) -> None:
         self.engine.sleep()
 
     def wake_up(self) -> None:
-        with _memory_guard("rollout engine", "wake-up after the update", self.cfg):
+        with memory_guard("rollout engine", "wake-up after the update", self.cfg):
             self.engine.wake_up()
 
     def adapter_version(self) -> int:
         return self.engine.adapter_version()
 
     def placement(self) -> dict[str, Any]:
-        return _placement()
+        return placement()
 
     def close(self) -> None:
         self.engine.close()
@@ -325,17 +325,13 @@ class RewardActor:
         self.fn.close()  # the reward child process, with process isolation
 
     def placement(self) -> dict[str, Any]:
-        return _placement()
+        return placement()
 
 
-def _placement() -> dict[str, Any]:
+def placement() -> dict[str, Any]:
     """Where this actor runs: node and the GPU ids Ray gave it (logged at start, checked by the GPU tests)."""
     ctx = ray.get_runtime_context()
     return {"node": ctx.get_node_id()[:8], "gpus": [str(g) for g in ray.get_gpu_ids()], "pid": os.getpid()}
-
-
-def reward_specs(cfg: JobConfig) -> list[RewardSpec]:
-    return [RewardSpec(name=r.name, weight=r.weight, kwargs=dict(r.kwargs)) for r in cfg.rewards]
 
 
 def _engine_options(cfg: JobConfig) -> list[dict[str, Any]]:
@@ -354,8 +350,8 @@ def _start_engine(cfg: JobConfig, index: int, forbidden: list[int], opts: dict[s
 
 def _start_reward_worker(cfg: JobConfig, index: int) -> Any:
     opts: dict[str, Any] = {"num_cpus": 0, "max_restarts": cfg.ray.max_actor_restarts}
-    _with_fault_env([opts])
-    return RewardActor.options(**opts).remote(reward_specs(cfg), cfg.ray, index)  # type: ignore[attr-defined]
+    with_fault_env([opts])
+    return RewardActor.options(**opts).remote(cfg.reward_specs(judges=False), cfg.ray, index)  # type: ignore[attr-defined]
 
 
 def _scheduling(cfg: JobConfig, plan: PlacementPlan) -> tuple[list[dict], list[dict]]:
@@ -384,11 +380,11 @@ def _scheduling(cfg: JobConfig, plan: PlacementPlan) -> tuple[list[dict], list[d
         # fragment. Learner only: vLLM's sleep mode refuses them in the engine's process.
         for opts in learner_opts:
             opts["runtime_env"] = {"env_vars": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}}
-    _with_fault_env(learner_opts + engine_opts)
+    with_fault_env(learner_opts + engine_opts)
     return learner_opts, engine_opts
 
 
-def _with_fault_env(options: list[dict[str, Any]]) -> None:
+def with_fault_env(options: list[dict[str, Any]]) -> None:
     """Faults armed in the driver (visionrl.faults) go to every actor's environment: a Ray started before they
     were armed (a cluster, or one Ray for several runs) would not pass them on otherwise."""
     env = faults.actor_env()
@@ -460,7 +456,11 @@ def start_actors(cfg: JobConfig) -> tuple[list[Any], list[Any], list[Any]]:
         ]  # all join at once
         forbidden = gather(setups, "start-up", timeout, key, interruptible=True)[0]
         engines = [_start_engine(cfg, i, forbidden, opts) for i, opts in enumerate(engine_opts)]
-        rewards = [_start_reward_worker(cfg, i) for i in range(r.num_reward_workers)]
+        # a job whose only reward is a judge has no rule rewards to score
+        rewards = [
+            _start_reward_worker(cfg, i)
+            for i in range(r.num_reward_workers if cfg.reward_specs(judges=False) else 0)
+        ]
         # Fail early, with the actor's own error, if any of them cannot start; say where each one runs.
         calls = [
             *[Call(a.placement.remote(), LEARNER, i) for i, a in enumerate(learners)],

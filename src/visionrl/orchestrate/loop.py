@@ -138,6 +138,7 @@ def _start_workers(cfg: JobConfig, run: RunDir, prompts_in: PromptStream) -> Wor
         workers.verify_delivery(
             prompts_in.probe_prompts()
         )  # a non-zero adapter must change the engines' output
+        workers.attach_judges(prompts_in.processor)  # a job's `judge` rewards, their actors started
     except BaseException as err:
         workers.kill()
         if isinstance(err, Preempted):

@@ -20,7 +20,7 @@ import ray
 from visionrl.errors import OutOfMemory
 from visionrl.orchestrate import preemption
 
-LEARNER, ENGINE, REWARD = "learner", "rollout engine", "reward worker"
+LEARNER, ENGINE, REWARD, JUDGE = "learner", "rollout engine", "reward worker", "judge"
 POLL_S = 0.5  # how often an interruptible wait looks for a stop request
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours the traceback's header line
 

@@ -15,6 +15,7 @@ from visionrl import history as history_file
 from visionrl import metrics as tags
 from visionrl.algo import group_stats
 from visionrl.config import JobConfig
+from visionrl.data.prompts import question_text
 from visionrl.errors import StorageError
 from visionrl.metrics import MetricsWriter
 from visionrl.orchestrate.failures import resume_hint
@@ -80,6 +81,12 @@ def step_metrics(
     }
     for name, values in scores.per_reward.items():
         m[tags.reward_component_tag(name)] = sum(values) / len(values)
+    if scores.seconds:  # a judge scored this step
+        judged = [x for key in scores.seconds for x in scores.per_reward[key]]
+        m[tags.JUDGE_MEAN] = sum(judged) / len(judged)
+        m[tags.JUDGE_ERRORS] = float(sum(scores.num_errors[key] for key in scores.seconds))
+        m[tags.JUDGE_TIMEOUTS] = float(sum(scores.num_timeouts[key] for key in scores.seconds))
+        m[tags.TIMING_JUDGE] = sum(scores.seconds.values())
     for k, v in stats.items():
         if "/" in k:  # the learner's tags (metrics.py); plain keys are its internal counters
             m[k] = float(v)
@@ -110,9 +117,18 @@ def write_step(
             tb.scalars(step, m)
             tb.histogram(step, tags.REWARD_HIST, rewards)
             tb.histogram(step, tags.LENGTH_HIST, [len(c.token_ids) for g in completions for c in g])
+            if scores.seconds:
+                tb.histogram(
+                    step, tags.JUDGE_HIST, [x for key in scores.seconds for x in scores.per_reward[key]]
+                )
         if step % cfg.logging.images_every == 0 or step == 1:
             samples = rollout_samples(
-                prompts, completions, scores.total, cfg.logging.num_images, cfg.data.prompt_key
+                prompts,
+                completions,
+                scores.total,
+                cfg.logging.num_images,
+                cfg.data.prompt_key,
+                scores.verdicts,
             )
             tb.rollout_images(step, samples)
             tb.rollout_table(step, samples)
@@ -127,6 +143,7 @@ def rollout_samples(
     totals: list[float],
     n: int,
     prompt_key: str = "prompt",
+    verdicts: dict[str, list[str]] | None = None,
 ) -> list[RolloutSample]:
     """A few rollouts (the first completion of the first `n` groups) for the TensorBoard picture grid; the question
     is the record's `prompt_key` field (data.prompt_key) or its messages' text."""
@@ -135,7 +152,7 @@ def rollout_samples(
     for i, (p, group) in enumerate(zip(prompts[:n], completions[:n], strict=False)):
         if not p.images:
             continue
-        question = _question_text(p.record, prompt_key)
+        question = question_text(p.record, prompt_key)
         out.append(
             RolloutSample(
                 image=p.images[0],
@@ -143,19 +160,7 @@ def rollout_samples(
                 completion=group[0].text,
                 answer=json.dumps(p.answer) if not isinstance(p.answer, str) else p.answer,
                 reward=float(totals[i * G]),
+                verdict=" / ".join(v[i * G] for v in (verdicts or {}).values()),
             )
         )
     return out
-
-
-def _question_text(record: dict[str, Any], prompt_key: str) -> str:
-    if isinstance(record.get(prompt_key), str):
-        return str(record[prompt_key]).replace("<image>", "").strip()
-    texts = []
-    for msg in record.get("messages", []):
-        content = msg.get("content")
-        if isinstance(content, str):
-            texts.append(content)
-        else:
-            texts.extend(part.get("text", "") for part in content or [] if part.get("type") == "text")
-    return " ".join(t for t in texts if t)

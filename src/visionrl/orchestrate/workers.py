@@ -29,10 +29,12 @@ from visionrl.orchestrate.delivery import (
     scoring_batch,
 )
 from visionrl.orchestrate.failures import resume_hint
+from visionrl.orchestrate.judging import Judging, join_scores, start_judges
 from visionrl.orchestrate.learners import CALL_KEY, LearnerGroup
 from visionrl.orchestrate.prompt_stream import PromptStream
 from visionrl.orchestrate.remote import (
     ENGINE,
+    JUDGE,
     LEARNER,
     REWARD,
     ActorFailed,
@@ -42,7 +44,7 @@ from visionrl.orchestrate.remote import (
     gather,
     kill_actors,
 )
-from visionrl.rewards import CombinedReward, RewardResult, build_reward_fn
+from visionrl.rewards import CombinedReward, RewardResult, RewardSpec, build_reward_fn
 from visionrl.rewards.merge import merge_results
 from visionrl.run_layout import RunDir
 from visionrl.train.learner import TrainBatch
@@ -107,9 +109,14 @@ class Workers:
         self.learners = LearnerGroup(learners, cfg.ray.call_timeout_s)  # the ranks, called as one learner
         self.engines, self.rewards, self.cfg = engines, rewards, cfg
         self._eval_reward: CombinedReward | None = None
+        self.judges: list[Judging] = []  # the job's judge rewards (`attach_judges`)
         self.restarts = 0
         self._probe_prompts: list[PromptItem] = []  # set by verify_delivery
         self._rebuilds = [0] * len(engines)  # each engine's rebuilds after internal errors, as last seen
+
+    def attach_judges(self, processor: Any) -> None:
+        """Start the job's judges (`processor`: the policy's, for the engine backend); none when it has no judge."""
+        self.judges = start_judges(self.cfg, self.engines, processor)
 
     def _get(self, calls: list[Call], phase: str, interruptible: bool = False) -> list[Any]:
         return gather(calls, phase, self.cfg.ray.call_timeout_s, CALL_KEY, interruptible)
@@ -235,6 +242,15 @@ class Workers:
 
     # 3. reward
     def score(self, prompts: list[PromptItem], completions: list[list[Completion]]) -> RewardResult:
+        """The job's rewards: the rule rewards on the reward workers, each judge by its backend (`orchestrate.judging`)."""
+        judged = [judge.score(prompts, completions) for judge in self.judges]
+        rules = self._score_rules(prompts, completions) if self.rewards else None
+        if not judged and rules is not None:
+            return rules
+        n = sum(len(group) for group in completions)
+        return join_scores(self.cfg.reward_specs(), rules, judged, n)
+
+    def _score_rules(self, prompts: list[PromptItem], completions: list[list[Completion]]) -> RewardResult:
         texts = [c.text for group in completions for c in group]
         records = [_reward_record(p) for p, group in zip(prompts, completions, strict=True) for _ in group]
         n = len(self.rewards)
@@ -317,11 +333,11 @@ class Workers:
             return None
         from visionrl.eval.local import evaluate_prompts
         from visionrl.eval.report import accuracy
-        from visionrl.orchestrate.actors import reward_specs
 
         if self._eval_reward is None:
+            # a job whose only reward is a judge is evaluated by exact match against the held-out answers
             self._eval_reward = build_reward_fn(
-                reward_specs(self.cfg),
+                self.cfg.reward_specs(judges=False) or [RewardSpec("exact_match")],
                 timeout_s=self.cfg.ray.reward_timeout_s,
                 isolation=self.cfg.ray.reward_isolation,
             )
@@ -405,6 +421,7 @@ class Workers:
         calls = [
             *[Call(e.close.remote(), ENGINE, i) for i, e in enumerate(self.engines)],
             *[Call(w.close.remote(), REWARD, i) for i, w in enumerate(self.rewards)],
+            *[Call(a.close.remote(), JUDGE, i) for j in self.judges for i, a in enumerate(j.actors)],
         ]
         try:
             gather(calls, "shutdown", 60.0, "(shutdown)")
@@ -414,7 +431,9 @@ class Workers:
 
     def kill(self) -> None:
         """Stop every actor of the run at once (the end of `close`, or a failed run)."""
-        kill_actors([*self.learners.actors, *self.engines, *self.rewards])
+        kill_actors(
+            [*self.learners.actors, *self.engines, *self.rewards, *(a for j in self.judges for a in j.actors)]
+        )
 
 
 def _reward_record(p: PromptItem) -> dict[str, Any]:

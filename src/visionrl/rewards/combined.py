@@ -33,6 +33,8 @@ class RewardResult:
         num_errors: component key -> calls that raised or returned a non-finite / non-number value.
         num_timeouts: component key -> calls that exceeded the timeout.
         error_examples: component key -> the first failure message of this batch (only keys that failed).
+        seconds: judge component key -> wall seconds its judging took (judges only: `orchestrate.judging`).
+        verdicts: judge component key -> [N] the judge's short verdict per sample (e.g. "yes 0.93", "timeout").
     """
 
     total: list[float]
@@ -40,6 +42,8 @@ class RewardResult:
     num_errors: dict[str, int] = field(default_factory=dict)
     num_timeouts: dict[str, int] = field(default_factory=dict)
     error_examples: dict[str, str] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+    verdicts: dict[str, list[str]] = field(default_factory=dict)
 
 
 def component_keys(specs: Sequence[RewardSpec]) -> list[str]:

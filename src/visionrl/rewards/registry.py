@@ -18,6 +18,7 @@ from typing import Any
 
 from visionrl.errors import InputError
 from visionrl.rewards.builtin import BUILTIN_KWARG_CHECKS, BUILTIN_REWARDS, list_builtin_rewards
+from visionrl.rewards.judge import JUDGE
 
 RewardFn = Callable[[str, Any, Mapping[str, Any]], float]
 """A reward: ``f(completion, answer, record) -> float``; ``answer`` is ``record["answer"]``."""
@@ -113,6 +114,11 @@ def resolve_reward(spec: RewardSpec) -> RewardFn:
         RewardConfigError: unknown built-in, failed import, missing or non-callable attribute, or
             kwargs the function does not accept / a built-in rejects.
     """
+    if spec.name == JUDGE:
+        raise RewardConfigError(
+            "reward 'judge' scores whole batches with a model (orchestrate.judging), not one call per completion; "
+            "it cannot be built as a function"
+        )
     if ":" in spec.name:
         fn = _import_user_function(spec.name)
     elif spec.name in BUILTIN_REWARDS:

@@ -24,6 +24,7 @@ from visionrl.types import (
     ADAPTER_WEIGHTS,
     AdapterPayload,
     Completion,
+    JudgeAsk,
     ProbeResult,
     PromptItem,
     SamplingSpec,
@@ -101,6 +102,31 @@ class HFEngine:
     def fingerprint(self, prompt: PromptItem, max_tokens: int) -> Completion | None:
         groups = self.generate([prompt], SamplingSpec(n=1, greedy=True, max_tokens=max_tokens))
         return groups[0][0] if groups and groups[0] else None
+
+    @torch.no_grad()
+    def judge(self, prompts: list[PromptItem], ask: JudgeAsk) -> list[float | str | None]:
+        """The base model's verdicts (B = 0 merged); the served adapter is merged back afterwards."""
+        self._apply(None)
+        try:
+            if ask.wants_text:
+                groups = self.generate(prompts, SamplingSpec(n=1, greedy=True, max_tokens=ask.max_tokens))
+                return [g[0].text if g else None for g in groups]
+
+            def skip(index: int, err: BaseException) -> None:
+                logger.warning("the HF engine rejected judge prompt %d; skipping it: %s", index, err)
+
+            return generate_skipping(lambda batch: self._yes_shares(batch, ask), prompts, (ValueError,), skip)
+        finally:
+            self._apply(self._served)
+
+    def _yes_shares(self, prompts: list[PromptItem], ask: JudgeAsk) -> list[float | str | None]:
+        """P(yes) / (P(yes) + P(no)) of each prompt's next token: the log-softmax over the yes and no ids only."""
+        images = [img for p in prompts for img in p.images] or None
+        enc = self.processor(text=[p.text for p in prompts], images=images, return_tensors="pt", padding=True)
+        logits = self.model(**enc.to(self.device), use_cache=False).logits[:, -1, :].float()
+        ids = torch.tensor([*ask.yes_ids, *ask.no_ids], device=logits.device)
+        shares = torch.log_softmax(logits[:, ids], dim=-1)[:, : len(ask.yes_ids)].exp().sum(-1)
+        return [float(x) for x in shares.cpu()]
 
     def rebuilds(self) -> int:
         return 0  # transformers' generate has no engine state to lose

@@ -27,7 +27,16 @@ from visionrl.rollout.probe import PROBE_TOKENS, as_a_faulty_engine_applies, pro
 from visionrl.rollout.rejects import generate_skipping
 from visionrl.rollout.scratch import make_scratch_dir, remove_orphaned_scratch
 from visionrl.rollout.vllm_platform import cpu_only, set_cpu_env
-from visionrl.types import AdapterPayload, Completion, ProbeResult, PromptItem, SamplingSpec
+from visionrl.types import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    AdapterPayload,
+    Completion,
+    JudgeAsk,
+    ProbeResult,
+    PromptItem,
+    SamplingSpec,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -77,9 +86,6 @@ class VLLMEngine:
         self._llm_kwargs: dict[str, Any] = {
             "model": model_path,
             "dtype": dtype,
-            "enable_lora": True,
-            "max_lora_rank": vllm_max_lora_rank(lora_rank),
-            "max_loras": 1,
             "max_model_len": max_model_len,
             "seed": seed,
             "logprobs_mode": "processed_logprobs",
@@ -89,7 +95,11 @@ class VLLMEngine:
             "enforce_eager": enforce_eager,
             "worker_extension_cls": "visionrl.rollout.vllm_worker.VisionRLWorkerExtension",
         }
-        if tower_lora:
+        if lora_rank > 0:  # rank 0: a judge model's own engine, which serves no adapter
+            self._llm_kwargs.update(
+                enable_lora=True, max_lora_rank=vllm_max_lora_rank(lora_rank), max_loras=1
+            )
+        if tower_lora and lora_rank > 0:
             self._llm_kwargs["enable_tower_connector_lora"] = True
         self._cpu = cpu_only()
         if self._cpu:
@@ -110,6 +120,9 @@ class VLLMEngine:
         self._version = 0
         self._next_id = 0  # LoRA ids handed out so far: each adapter version and probe gets a new one
         self._lora: Any = None  # LoRARequest of the version served
+        self._zero: AdapterPayload | None = (
+            None  # the served adapter's layout with B = 0: the base model, judging
+        )
         self._rebuilds = 0
         self._sampling_calls, self._fail_next = 0, False  # for the fault injection (fail_engine_batch)
         self._llm: Any = self._build()
@@ -161,6 +174,57 @@ class VLLMEngine:
         # different: a later rollout of the same prompt must not depend on whether it was fingerprinted.
         self._reset_caches()
         return groups[0][0] if groups and groups[0] else None
+
+    def judge(self, prompts: list[PromptItem], ask: JudgeAsk) -> list[float | str | None]:
+        """The base model's verdicts: under a zero adapter (B = 0), not without one, since requests without a LoRA
+        can still see a LoRA held before (docs/ENGINE_NOTES.md); the caches are reset before and after, so no image
+        embedding or prefix crosses between the policy and the judge."""
+        from vllm import SamplingParams
+
+        self.wake_up()
+        if ask.wants_text:
+            params = SamplingParams(
+                n=1,
+                temperature=0.0,
+                max_tokens=ask.max_tokens,
+                logit_bias={t: FORBIDDEN_BIAS for t in self.forbidden} or None,
+                skip_special_tokens=True,
+            )
+        else:
+            # Every other token is masked before the processed log-probs are taken, so they are normalised over
+            # the yes and no tokens; which one is sampled does not matter.
+            ids = [*ask.yes_ids, *ask.no_ids]
+            params = SamplingParams(
+                n=1, temperature=1.0, max_tokens=1, logprobs=len(ids), allowed_token_ids=ids
+            )
+
+        def skip(index: int, err: BaseException) -> None:
+            logger.warning("vLLM rejected judge prompt %d; skipping it: %s", index, err)
+
+        base = self._add(self._zero_adapter(), "visionrl-base") if self._lora is not None else None
+        self._reset_caches()
+        try:
+            outputs = generate_skipping(
+                lambda batch: self._run(batch, params, base), self._inputs(prompts), _rejections(), skip
+            )
+        finally:
+            self._remove(base)
+            self._reset_caches()
+        return [None if out is None else _verdict(out.outputs[0], ask) for out in outputs]
+
+    def _zero_adapter(self) -> AdapterPayload:
+        """The served adapter's files with every B zeroed (made once: the layout never changes in a run)."""
+        if self._zero is None:
+            import torch
+            from safetensors.torch import load_file, save
+
+            path = self._lora.lora_path
+            tensors = load_file(os.path.join(path, ADAPTER_WEIGHTS))
+            zeroed = {k: torch.zeros_like(v) if "lora_B" in k else v for k, v in tensors.items()}
+            with open(os.path.join(path, ADAPTER_CONFIG), "rb") as f:
+                config = f.read()
+            self._zero = AdapterPayload(-1, {ADAPTER_CONFIG: config, ADAPTER_WEIGHTS: save(zeroed)})
+        return self._zero
 
     def rebuilds(self) -> int:
         return self._rebuilds
@@ -232,18 +296,23 @@ class VLLMEngine:
             logit_bias={t: FORBIDDEN_BIAS for t in self.forbidden} or None,
             skip_special_tokens=True,
         )
-        inputs = [
-            {"prompt": p.text, "multi_modal_data": {"image": p.images}} if p.images else {"prompt": p.text}
-            for p in prompts
-        ]
 
         def skip(index: int, err: BaseException) -> None:
             logger.warning("vLLM rejected prompt %r; skipping it: %s", prompts[index].sample_id, err)
 
-        outputs = generate_skipping(lambda batch: self._run(batch, params, lora), inputs, _rejections(), skip)
+        outputs = generate_skipping(
+            lambda batch: self._run(batch, params, lora), self._inputs(prompts), _rejections(), skip
+        )
         return [
             [] if out is None else [self._completion(i, c) for c in out.outputs]
             for i, out in enumerate(outputs)
+        ]
+
+    @staticmethod
+    def _inputs(prompts: list[PromptItem]) -> list[dict[str, Any]]:
+        return [
+            {"prompt": p.text, "multi_modal_data": {"image": p.images}} if p.images else {"prompt": p.text}
+            for p in prompts
         ]
 
     def _run(self, inputs: list[dict[str, Any]], params: Any, lora: Any) -> list[Any]:
@@ -297,3 +366,14 @@ class VLLMEngine:
     def close(self) -> None:
         shutil.rmtree(self._dir, ignore_errors=True)
         self._llm = None
+
+
+def _verdict(c: Any, ask: JudgeAsk) -> float | str | None:
+    """A judge answer: its text, or the yes share of its first position's log-probs (None when none is there)."""
+    if ask.wants_text:
+        return str(c.text)
+    from visionrl.rewards.judge import yes_share
+
+    entry = (c.logprobs or [None])[0] or {}
+    found = [[float(entry[t].logprob) for t in ids if t in entry] for ids in (ask.yes_ids, ask.no_ids)]
+    return yes_share(*found)
