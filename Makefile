@@ -7,13 +7,17 @@ PYTEST_ARGS ?=
 # Ray session): the integration tests leave a core idle about half the time (waiting on actors and deadlines).
 TEST_WORKERS ?= 2
 
-.PHONY: setup demo test test-fast lint format clean-demo
+.PHONY: setup demo demo-judge test test-fast lint format clean-demo
 
 setup:
 	@bash scripts/setup_venv.sh
 
 demo: setup
 	@$(PY) -m visionrl.demo --dir $(DEMO_DIR)
+
+# the same task with a tiny judge model as the only reward (README, Rewards)
+demo-judge: setup
+	@$(PY) -m visionrl.demo --judge --dir runs/demo_judge
 
 test: setup
 	@$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS)

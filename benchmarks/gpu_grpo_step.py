@@ -156,6 +156,9 @@ def measure(
         "engine_sleep_s": mean("timing/engine_sleep_s"),
         "engine_wake_s": mean("timing/engine_wake_s"),
         "sync_s": mean("timing/sync_s"),
+        "judge_s": mean("timing/judge_s"),  # part of reward_s: a `judge` reward's batches (0 without one)
+        "judge_mean": mean("reward/judge_mean"),
+        "fingerprint_diff": mean("rollout/fingerprint_diff"),  # the per-sync delivery check (orchestrate.delivery)
         "rollout_wait_s": mean("timing/rollout_wait_s"),  # rollout.async_steps: the wait after the update
         "staleness": mean("rollout/staleness"),
         "sequence_tokens_per_step": tokens,

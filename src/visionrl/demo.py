@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import yaml
+
 if TYPE_CHECKING:
     from visionrl.config import JobConfig
 
@@ -43,8 +45,19 @@ def main(argv: list[str] | None = None) -> int:
         choices=["color", "same_color", "easy-vqa"],
         help="a synthetic task, or the easy-VQA data set (pip install easy-vqa; held out: 3,000 test questions)",
     )
+    p.add_argument(
+        "--judge",
+        action="store_true",
+        help="a tiny judge model as the only reward (configs/demo_judge.yaml, runs/demo_judge): builds the judge "
+        "and measures it, then trains with its P(yes) instead of exact match",
+    )
     p.add_argument("overrides", nargs="*", help="job overrides, e.g. train.steps=50")
     args = p.parse_args(argv)
+    if args.judge:
+        args.dir = "runs/demo_judge" if args.dir == "runs/demo" else args.dir
+        args.config = (
+            str(REPO / "configs" / "demo_judge.yaml") if args.config.endswith("demo.yaml") else args.config
+        )
 
     import torch
 
@@ -56,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     run = Path(args.dir)
     t_start = time.perf_counter()
     base, data = prepare(run, args.task, args.seed)
+    judge_report = prepare_judge(run, data, args.seed) if args.judge else None
     cfg = demo_config(args.config, run, base, data, args.overrides)
     _say(
         f"3/5 training: {cfg.rollout.prompts_per_step} prompts x {cfg.algorithm.group_size} completions per step, "
@@ -75,6 +89,12 @@ def main(argv: list[str] | None = None) -> int:
     picture = _answer_picture(data / "eval.jsonl", ev / "final.json", ev / "final_samples.png", question)
     total_min = (time.perf_counter() - t_start) / 60
     _summary(reports, result.steps, train_min, total_min, run, picture, chance)
+    if judge_report is not None:
+        print(
+            f"judge:       agreement with the true labels {judge_report['agreement']:.3f}, with the images "
+            f"permuted {judge_report['agreement, images permuted']:.3f} (chance 0.5); "
+            f"the only reward of the training ({run / 'judge-model'})"
+        )
     by_type = {name: per_type(r, data / "eval.jsonl") for name, r in reports.items()}
     if any(by_type.values()):
         _per_type_table(by_type)
@@ -109,11 +129,42 @@ def prepare(run: Path, task: str, seed: int) -> tuple[Path, Path]:
     return base, data
 
 
+def prepare_judge(run: Path, data: Path, seed: int) -> dict[str, float]:
+    """`--judge`: the tiny judge under `run` (kept when it exists), measured on the held-out questions."""
+    from visionrl.models.tiny import build_tiny_model
+
+    judge = run / "judge-model"
+    if not (judge / "config.json").is_file():
+        _say(f"   building the tiny judge in {judge} (recipe judge-color, ~40 s pre-training)")
+        build_tiny_model(judge, seed=seed, pretrain=True, recipe="judge-color")
+    _say(
+        "   measuring the judge on the held-out questions (the true colour and another as the proposed answer)"
+    )
+    report = judge_agreement(
+        judge, data / "eval.jsonl", REPO / "configs" / "judges" / "color_match.txt", seed
+    )
+    _say(
+        f"   judge agreement with the true labels {report['agreement']:.3f}, with the images permuted "
+        f"{report['agreement, images permuted']:.3f}"
+    )
+    return report
+
+
 def demo_config(config: str | Path, run: Path, base: Path, data: Path, overrides: list[str]) -> JobConfig:
-    """The demo's job file pointed at `run`, its base model and data, with the user's overrides last."""
+    """The demo's job file pointed at `run`, its base model and data (and a judge's model and template), with the
+    user's overrides last."""
     from visionrl.config import load_config
+    from visionrl.config_yaml import UniqueKeyLoader
 
     paths = [f"output_dir={run}", f"model.path={base}", f"data.train={data / 'train.jsonl'}"]
+    rewards = (yaml.load(Path(config).read_text(), Loader=UniqueKeyLoader) or {}).get("rewards") or []
+    if any(r.get("name") == "judge" for r in rewards):
+        for r in rewards:
+            if r.get("name") == "judge":
+                kwargs = r.setdefault("kwargs", {})
+                kwargs["model"] = str(run / "judge-model")
+                kwargs["template"] = str(REPO / kwargs["template"])  # the file is the repository's
+        paths.append(f"rewards={json.dumps(rewards)}")
     return load_config(config, [*paths, f"data.eval={data / 'eval.jsonl'}", *overrides])
 
 
@@ -141,6 +192,44 @@ def evaluate_trained(
         base=str(base), adapter=str(adapter), out=str(ev / "final_ablated.json"), ablate_images=True, **common
     )
     return reports
+
+
+def judge_agreement(judge_dir: Path, data: Path, template: Path, seed: int = 0) -> dict[str, float]:
+    """The tiny judge measured on the held-out colour questions: for each, the true colour and another one as the
+    proposed answer; its agreement with the true labels (P(yes) > 0.5 exactly for the true colour), and the same
+    with every image moved to another question (near 0.5 when the judge reads the image, not the words)."""
+    import random
+
+    from visionrl.data import load_dataset
+    from visionrl.data.synthetic import TASKS
+    from visionrl.judge.model import ModelJudge
+    from visionrl.rewards.judge import JudgeRequest, JudgeSpec, load_template, render
+
+    text = load_template(template)
+    spec = JudgeSpec.from_kwargs({"backend": "vllm", "model": str(judge_dir), "template": str(template)})
+    ds = load_dataset(data)
+    rng, colours, question = random.Random(seed), TASKS["color"].answers, TASKS["color"].question
+    pairs = []
+    for i in range(len(ds)):
+        wrong = rng.choice([c for c in colours if c != ds[i].answer])
+        pairs += [(i, ds[i].answer, True), (i, wrong, False)]
+    judge = ModelJudge(spec)
+    try:
+        result = {}
+        for name, shift in (("agreement", 0), ("agreement, images permuted", 1)):
+            requests = [
+                JudgeRequest(render(text, question, None, said), tuple(ds[(i + shift) % len(ds)].images))
+                for i, said, _ in pairs
+            ]
+            verdicts = judge.judge(requests)
+            right = [
+                isinstance(v, float) and (v > 0.5) == label
+                for v, (_, _, label) in zip(verdicts, pairs, strict=True)
+            ]
+            result[name] = sum(right) / len(right)
+    finally:
+        judge.close()
+    return result
 
 
 def per_type(report: dict[str, Any], data: Path) -> dict[str, tuple[float, int]]:

@@ -252,3 +252,48 @@ def test_without_the_api_key_no_route_is_served(
     report = evaluate_endpoint(server.base_url, "a2", str(color_data / "eval.jsonl"), str(tmp_path / "r.json"),
                                max_samples=2, max_tokens=2, max_retries=0, api_key="wrong-key")  # fmt: skip
     assert report["num_failed"] == 2 and "AuthenticationError" in report["samples"][0]["error"]
+
+
+def test_a_judge_behind_the_served_endpoint(
+    server: ServerHandle, exports: dict[str, Any], tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """backend endpoint: the served adapter a1 as the judge. The share of yes among the server's top log-probs of the
+    first token equals transformers' on the same prompt and image; the text mode returns the judge's answer; a
+    wrong key and a dead endpoint are failures counted per request, not a hang."""
+    import torch
+    from peft import PeftModel
+    from PIL import Image
+
+    from visionrl.data.prompts import user_prompt
+    from visionrl.judge.endpoint import EndpointJudge
+    from visionrl.models.loader import load_base_model, load_processor
+    from visionrl.rewards.judge import JudgeFailure, JudgeRequest, JudgeSpec
+
+    processor = load_processor(tiny_model)
+    model = PeftModel.from_pretrained(load_base_model(tiny_model), str(exports["a1"])).eval()
+    text = "is the shape red ? answer yes or no"
+    image = Image.new("RGB", (64, 64), (255, 255, 255))
+    image.paste((220, 40, 40), (8, 8, 48, 40))
+    prompt = user_prompt(processor, text, [image])
+    with torch.no_grad():
+        logits = model(**processor(text=[prompt.text], images=prompt.images, return_tensors="pt")).logits[
+            0, -1
+        ]
+    first, second = (processor.tokenizer.decode([int(i)]) for i in logits.topk(2).indices)
+    expected = float(torch.softmax(logits.topk(2).values, -1)[0])
+    monkeypatch.setenv("JUDGE_TEST_KEY", KEY)
+    common = {"backend": "endpoint", "template": "unused.txt", "model": "a1", "base_url": server.base_url}
+    spec = JudgeSpec.from_kwargs({**common, "api_key_env": "JUDGE_TEST_KEY", "yes": [first], "no": [second]})
+    request = JudgeRequest(text, (image,))
+    judge = EndpointJudge(spec)
+    share = judge.judge([request, request])
+    assert share == [pytest.approx(expected, abs=1e-3)] * 2
+    words = EndpointJudge(JudgeSpec.from_kwargs({**spec.__dict__, "score": "tag", "max_tokens": 3})).judge(
+        [request]
+    )
+    assert isinstance(words[0], str) and words[0].split()[0] == first.strip()
+    wrong_key = EndpointJudge(JudgeSpec.from_kwargs({**common, "retries": 0})).judge([request])[0]
+    assert isinstance(wrong_key, JudgeFailure) and "AuthenticationError" in wrong_key.message
+    dead = {**common, "base_url": f"http://127.0.0.1:{free_port()}/v1", "retries": 0, "timeout_s": 5}
+    failed = EndpointJudge(JudgeSpec.from_kwargs(dead)).judge([request])[0]
+    assert isinstance(failed, JudgeFailure) and "APIConnectionError" in failed.message

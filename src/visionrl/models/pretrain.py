@@ -29,10 +29,12 @@ COLOR_MATCH_TEMPLATE = (
     "Question: {question}\nProposed answer: {completion}\n"
     "Is the proposed answer the color of the shape in the image? Answer yes or no."
 )
-JUDGE_EXAMPLES_PER_TASK = (
-    6  # the judge's lesson gets this many times a task's examples: it is the recipe's point
-)
-JUDGE_JUNK_SHARE = 0.15  # candidate answers that are no colour at all (an early policy's words): always "no"
+# The judge's lesson gets twice a task's examples, and 600 steps: the judge must be right, not only in format
+# (measured on 128 held-out questions x 2 proposed answers: agreement with the true labels 1.0 after 600 steps,
+# 0.88 after 300; with six times a task's examples the colour lesson drowned, and the judge told red from yellow
+# no better than chance: agreement 0.86).
+JUDGE_EXAMPLES_PER_TASK = 2
+RECIPE_STEPS = {JUDGE_COLOR: 600}
 # Which tasks a base learns with true labels and which only in format (random labels), per task a GRPO run
 # then has to learn. "color" is the demo's base. For the two-image `same_color` task the base reads colours
 # (real bases do) and knows the yes/no format, but not the comparison of two images, which GRPO must learn.
@@ -79,27 +81,30 @@ def _examples(
     return out
 
 
-def _judge_examples(
-    rng: random.Random, num: int, image_size: int
-) -> list[tuple[str, list[Image.Image], str]]:
-    """The judge's lesson: a colour picture, the colour question with a candidate answer in COLOR_MATCH_TEMPLATE, and
-    "yes" exactly when the candidate is the shape's colour (half the time; otherwise another colour or a word that
-    is no colour)."""
+def _judge_examples(rng: random.Random, num: int, image_size: int) -> list[tuple[str, list[Image.Image], str]]:
+    """The judge's lesson: a colour picture, the colour question with a proposed answer in COLOR_MATCH_TEMPLATE, and
+    "yes" exactly when the answer is the shape's colour and nothing else (half the time). The other half: another
+    colour, or what a drifting policy writes (a word or number that is no colour, the colour with a word before or
+    after it), so that the judge pays only for the answer exact match would accept."""
     from visionrl.data.synthetic import task_vocabulary
     from visionrl.rewards.judge import render
 
     task = TASKS["color"]
-    junk = [w for w in task_vocabulary() if w.isalpha() and w not in task.answers]
+    junk = [w for w in task_vocabulary() if w not in task.answers]
     out = []
     for answer in balanced_answers(rng, task.answers, num):
         item = task.render(rng, answer, image_size)
-        right = rng.random() < 0.5
+        right, kind = rng.random() < 0.5, rng.random()
         if right:
             candidate = item.answer
-        elif rng.random() < JUDGE_JUNK_SHARE / 0.5:
-            candidate = rng.choice(junk)
-        else:
+        elif kind < 0.5:
             candidate = rng.choice([a for a in task.answers if a != item.answer])
+        elif kind < 0.7:
+            candidate = rng.choice(junk)
+        elif kind < 0.85:
+            candidate = f"{item.answer} {rng.choice(junk + list(task.answers))}"
+        else:
+            candidate = f"{rng.choice(junk)} {item.answer}"
         text = render(COLOR_MATCH_TEMPLATE, task.question, None, candidate)
         out.append((text, item.images, "yes" if right else "no"))
     return out

@@ -297,9 +297,11 @@ def build_tiny_model(
     )
     info: dict = {"seed": seed, "kind": f"tiny-{arch.replace('_', '-')}", "pretrained": pretrain}
     if pretrain:
-        from visionrl.models.pretrain import pretrain_tiny
+        from visionrl.models.pretrain import RECIPE_STEPS, pretrain_tiny
 
-        report = pretrain_tiny(model, processor, seed=seed, recipe=recipe)
+        report = pretrain_tiny(
+            model, processor, seed=seed, recipe=recipe, steps=RECIPE_STEPS.get(recipe, 300)
+        )
         info.update(pretrain_steps=report.steps, pretrain_final_loss=round(report.final_loss, 4))
         if recipe != "color":  # the demo base's file stays byte-identical
             info["pretrain_recipe"] = recipe

@@ -125,6 +125,16 @@ class Judging:
             if not isinstance(verdict, JudgeFailure):
                 self.cache.put(k, verdict[0])
         out.seconds = time.perf_counter() - t0
+        if out.errors or out.timeouts:
+            logger.warning(
+                "judge reward %r: %d error(s) and %d timeout(s) in this step's %d judgements (scored on_error=%g); the first: %s",
+                self.key,
+                out.errors,
+                out.timeouts,
+                len(requests),
+                self.spec.on_error,
+                out.first_error,
+            )
         self._watch(out)
         return out
 
@@ -185,17 +195,37 @@ def engine_backend(engines: list[Any], processor: Any, spec: JudgeSpec) -> Backe
     return run
 
 
-def actor_backend(actors: list[Any], spec: JudgeSpec) -> Backend:
-    """Judge actors, each with the judge model's own engine; the requests are split evenly over them."""
+class ActorBackend:
+    """Judge actors, each with the judge model's own engine; the requests are split evenly over them. An actor that
+    died or hung in a call is being restarted by Ray: the next call first waits for it (up to `timeout_s`), so one
+    death costs the judgements of one batch, not of every step while the actor is rebuilt."""
 
-    def run(requests: list[JudgeRequest]) -> list[Raw]:
+    def __init__(self, actors: list[Any], spec: JudgeSpec) -> None:
+        self.actors, self.spec = actors, spec
+        self.down: set[int] = set()
+
+    def __call__(self, requests: list[JudgeRequest]) -> list[Raw]:
+        self._wait_for_restarts()
         calls = [
-            (Call(actors[i].judge.remote([requests[j] for j in idx]), JUDGE, i), idx)
-            for i, idx in enumerate(_chunks(len(requests), len(actors)))
+            (Call(self.actors[i].judge.remote([requests[j] for j in idx]), JUDGE, i), idx)
+            for i, idx in enumerate(_chunks(len(requests), len(self.actors)))
         ]
-        return settle(calls, len(requests), spec.timeout_s, actors)
+        out = settle(calls, len(requests), self.spec.timeout_s, self.actors)
+        self.down |= {c.index for c, idx in calls if any(isinstance(out[j], JudgeFailure) for j in idx)}
+        return out
 
-    return run
+    def _wait_for_restarts(self) -> None:
+        deadline = time.monotonic() + self.spec.timeout_s
+        for i in sorted(self.down):
+            while time.monotonic() < deadline:
+                try:
+                    gather(
+                        [Call(self.actors[i].placement.remote(), JUDGE, i)], "restart", 5.0, "(judge restart)"
+                    )
+                    self.down.discard(i)
+                    break
+                except (ActorFailed, ActorHung):
+                    time.sleep(1.0)
 
 
 @ray.remote
@@ -263,7 +293,7 @@ def start_judges(cfg: JobConfig, engines: list[Any], processor: Any) -> list[Jud
                 backend = EndpointJudge(spec).judge
             else:
                 actors = start_judge_actors(cfg, spec)
-                backend = actor_backend(actors, spec)
+                backend = ActorBackend(actors, spec)
             judges.append(Judging(key, spec, backend, cfg.data.prompt_key, actors))
     except BaseException:
         kill_actors([a for j in judges for a in j.actors])
