@@ -179,7 +179,8 @@ def evaluate_trained(
     common: dict[str, Any] = {
         "data": str(data / "eval.jsonl"),
         "max_tokens": cfg.rollout.max_new_tokens,
-        "rewards": [r.name for r in cfg.rewards][:1],
+        # the job's first rule reward; a job judged by a model only is measured by exact match
+        "rewards": [r.name for r in cfg.rewards if r.name != "judge"][:1] or ["exact_match"],
         "budget": ImageBudget.of(cfg.data),  # the base too is shown the images as the job drew them
     }
     reports = {}

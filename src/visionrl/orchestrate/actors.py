@@ -30,7 +30,7 @@ from visionrl.rewards import RewardSpec, build_reward_fn
 from visionrl.rollout.factory import make_engine
 from visionrl.rollout.scratch import process_alive
 from visionrl.train.learner_state import LearnerState
-from visionrl.types import AdapterPayload, Completion, ProbeResult, PromptItem, SamplingSpec
+from visionrl.types import AdapterPayload, Completion, JudgeAsk, ProbeResult, PromptItem, SamplingSpec
 
 if TYPE_CHECKING:
     from visionrl.train.learner import Learner, TrainBatch
@@ -291,6 +291,11 @@ class RolloutActor:
         engine's rebuilds so far. Not a `generate` call: the fault injection's call counts stay as they were."""
         with memory_guard("rollout engine", "the adapter fingerprint", self.cfg):
             return self.engine.fingerprint(prompt, max_tokens), self.engine.rebuilds()
+
+    def judge(self, prompts: list[PromptItem], ask: JudgeAsk) -> list[float | str | None]:
+        """The base model's verdicts (a `judge` reward with backend engine: `RolloutEngine.judge`)."""
+        with memory_guard("rollout engine", "judging", self.cfg):
+            return self.engine.judge(prompts, ask)
 
     def sleep(self) -> None:
         self.engine.sleep()
