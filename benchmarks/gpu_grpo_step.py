@@ -158,7 +158,8 @@ def measure(
         "sync_s": mean("timing/sync_s"),
         "judge_s": mean("timing/judge_s"),  # part of reward_s: a `judge` reward's batches (0 without one)
         "judge_mean": mean("reward/judge_mean"),
-        "fingerprint_diff": mean("rollout/fingerprint_diff"),  # the per-sync delivery check (orchestrate.delivery)
+        # the per-sync delivery check (orchestrate.delivery)
+        "fingerprint_diff": mean("rollout/fingerprint_diff"),
         "rollout_wait_s": mean("timing/rollout_wait_s"),  # rollout.async_steps: the wait after the update
         "staleness": mean("rollout/staleness"),
         "sequence_tokens_per_step": tokens,

@@ -81,7 +81,9 @@ def _examples(
     return out
 
 
-def _judge_examples(rng: random.Random, num: int, image_size: int) -> list[tuple[str, list[Image.Image], str]]:
+def _judge_examples(
+    rng: random.Random, num: int, image_size: int
+) -> list[tuple[str, list[Image.Image], str]]:
     """The judge's lesson: a colour picture, the colour question with a proposed answer in COLOR_MATCH_TEMPLATE, and
     "yes" exactly when the answer is the shape's colour and nothing else (half the time). The other half: another
     colour, or what a drifting policy writes (a word or number that is no colour, the colour with a word before or
