@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,7 +46,7 @@ from visionrl.types import Completion, PromptItem
 
 logger = logging.getLogger(__name__)
 Raw = float | str | None | JudgeFailure
-Backend = Callable[[list[JudgeRequest]], list[Raw]]
+Backend = Callable[[list[JudgeRequest]], Sequence[Raw]]
 
 
 @dataclass
