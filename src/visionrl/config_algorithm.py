@@ -15,7 +15,15 @@ class AlgorithmConfig(Section):
         8, ge=2, le=1024, description="Completions sampled per prompt (G); advantages are group-relative."
     )
     advantage_scale: Literal["std", "none"] = Field(
-        "std", description="'std': GRPO (r-mean)/std; 'none': Dr. GRPO r-mean."
+        "std", description="'std': GRPO (r-mean)/(std+advantage_std_eps); 'none': Dr. GRPO r-mean."
+    )
+    advantage_std_eps: float = Field(
+        1e-6,
+        ge=0.0,
+        le=10.0,
+        description="Added to a group's reward std before dividing (advantage_scale std). With a model's score as "
+        "the reward (a judge's P(yes)), a floor such as 0.1 keeps small differences between equally wrong answers "
+        "from becoming full-size advantages.",
     )
     clip_low: float | None = Field(
         0.2,

@@ -176,3 +176,11 @@ def test_property_std_scale_is_shift_and_scale_invariant(
         stds = base.reshape(-1, g).std(dim=1)
         assert torch.allclose(stds[signal], torch.ones_like(stds[signal]), atol=1e-9)
         assert stds[~signal].eq(0).all()
+
+
+def test_a_std_floor_keeps_a_judges_noise_small() -> None:
+    """Four wrong answers a judge scores 0.01, 0, 0, 0: mean 0.0025, sample std 0.005. Divided by the std alone the
+    noise becomes a full-size advantage (1.5); with algorithm.advantage_std_eps 0.1 it stays 0.0075 / 0.105."""
+    rewards = torch.tensor([0.01, 0.0, 0.0, 0.0])
+    assert float(group_advantages(rewards, 4)[0]) == pytest.approx(1.5, rel=1e-3)
+    assert float(group_advantages(rewards, 4, eps=0.1)[0]) == pytest.approx(0.0075 / 0.105, rel=1e-5)

@@ -204,7 +204,9 @@ class Loop:
         got = self._collected(step)  # 1-3. sample prompts, roll out group_size completions each, reward them
         self._prefetch_next(step)  # async: step + 1's batch, sampled during this update with the adapter held
         shaped, shaping = _shape_rewards(got.rewards, got.completions, cfg)  # DAPO overlong shaping, if set
-        adv = group_advantages(shaped, G, scale=cfg.algorithm.advantage_scale)  # 4. advantages
+        adv = group_advantages(
+            shaped, G, scale=cfg.algorithm.advantage_scale, eps=cfg.algorithm.advantage_std_eps
+        )  # 4.
         batch = _train_batch(got.prompts, got.completions, adv, got.keep, G, cfg.algorithm.mask_truncated)
         with clock("update"):  # 5. learner update
             stats = self.workers.update(batch) if batch.sequences else {}
