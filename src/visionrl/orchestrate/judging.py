@@ -163,10 +163,12 @@ def settle(calls: list[tuple[Call, list[int]]], n: int, timeout_s: float, kill_h
     for call, samples in calls:
         try:
             got = gather([call], "judging", max(deadline - time.monotonic(), 0.01), key)[0]
-        except ActorHung as hung:
+        except ActorHung:
+            what = f"the {call.role} {call.index} did not answer within {timeout_s:g} s (the judge's timeout_s)"
             if kill_hung:
                 ray.kill(kill_hung[call.index], no_restart=False)
-            got = [JudgeFailure(str(hung).splitlines()[0], timeout=True)] * len(samples)
+                what += "; it was stopped and Ray restarts it"
+            got = [JudgeFailure(what, timeout=True)] * len(samples)
         except ActorFailed as failed:
             got = [JudgeFailure(str(failed).splitlines()[0])] * len(samples)
         for i, value in zip(samples, got, strict=True):
