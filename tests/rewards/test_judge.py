@@ -164,3 +164,24 @@ def test_join_scores_weights_the_judge_with_the_rules() -> None:
     assert out.total == pytest.approx([2.4, 0.0, 2.2])
     assert out.num_timeouts == {"exact_match": 0, "judge": 1} and out.error_examples == {"judge": "slow"}
     assert out.verdicts == {"judge": ["yes 0.80", "timeout", "yes 0.40"]} and out.seconds == {"judge": 1.5}
+
+
+def test_the_shipped_judge_templates_and_the_judge_demo_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    """configs/judges/color_match.txt is the text the tiny judge was taught (models.pretrain), answer_match.txt uses
+    every placeholder, and configs/demo_judge.yaml validates with its judge as the only reward."""
+    from visionrl.config import load_config
+    from visionrl.models.pretrain import COLOR_MATCH_TEMPLATE
+
+    repo = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(repo)  # the job file's template path is relative to where the run starts
+    assert load_template("configs/judges/color_match.txt") == COLOR_MATCH_TEMPLATE
+    general = load_template("configs/judges/answer_match.txt")
+    assert all("{" + p + "}" in general for p in ("question", "reference", "completion"))
+    cfg = load_config("configs/demo_judge.yaml")
+    assert [r.name for r in cfg.rewards] == ["judge"] and cfg.reward_specs(judges=False) == []
+    spec = JudgeSpec.from_kwargs(cfg.rewards[0].kwargs)
+    assert (spec.backend, spec.score, spec.template) == (
+        "vllm",
+        "yes_probability",
+        "configs/judges/color_match.txt",
+    )
