@@ -164,7 +164,9 @@ def settle(calls: list[tuple[Call, list[int]]], n: int, timeout_s: float, kill_h
         try:
             got = gather([call], "judging", max(deadline - time.monotonic(), 0.01), key)[0]
         except ActorHung:
-            what = f"the {call.role} {call.index} did not answer within {timeout_s:g} s (the judge's timeout_s)"
+            what = (
+                f"the {call.role} {call.index} did not answer within {timeout_s:g} s (the judge's timeout_s)"
+            )
             if kill_hung:
                 ray.kill(kill_hung[call.index], no_restart=False)
                 what += "; it was stopped and Ray restarts it"
