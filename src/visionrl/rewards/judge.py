@@ -105,6 +105,11 @@ class JudgeSpec:
     def check(self) -> None:
         """Raises ValueError for a combination that cannot run (which key, why, what to write)."""
         _one_of("backend", self.backend, BACKENDS)
+        if self.backend == "classifier":
+            raise ValueError(
+                "judge backend 'classifier' (a transformers reward model with a scalar head) is not available yet; "
+                "use engine (the policy's base model), vllm (a judge model of its own) or endpoint"
+            )
         _one_of("score", self.score, SCORES)
         if not isinstance(self.template, str) or not self.template:
             raise ValueError(
