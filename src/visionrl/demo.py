@@ -158,12 +158,11 @@ def demo_config(config: str | Path, run: Path, base: Path, data: Path, overrides
 
     paths = [f"output_dir={run}", f"model.path={base}", f"data.train={data / 'train.jsonl'}"]
     rewards = (yaml.load(Path(config).read_text(), Loader=UniqueKeyLoader) or {}).get("rewards") or []
-    if any(r.get("name") == "judge" for r in rewards):
-        for r in rewards:
-            if r.get("name") == "judge":
-                kwargs = r.setdefault("kwargs", {})
-                kwargs["model"] = str(run / "judge-model")
-                kwargs["template"] = str(REPO / kwargs["template"])  # the file is the repository's
+    judges = [r.setdefault("kwargs", {}) for r in rewards if r.get("name") == "judge"]
+    for kwargs in judges:
+        kwargs["model"] = str(run / "judge-model")
+        kwargs["template"] = str(REPO / kwargs["template"])  # the file is the repository's
+    if judges:
         paths.append(f"rewards={json.dumps(rewards)}")
     return load_config(config, [*paths, f"data.eval={data / 'eval.jsonl'}", *overrides])
 

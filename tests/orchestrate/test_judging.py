@@ -81,7 +81,7 @@ def test_failures_score_on_error_and_are_counted(tmp_path: Path) -> None:
     assert (
         out.verdicts == ["yes 0.90", "timeout", "timeout", "yes 0.90"] and out.first_error == "took too long"
     )
-    assert out.judged == [0.9, 0.9]
+    assert [s for s, v in zip(out.scores, out.verdicts, strict=True) if v.startswith("yes")] == [0.9, 0.9]
     # a failed pair is not cached: the next step asks again
     again = judging.score(_prompts(), _groups(["slow"], ["blue"]))
     assert again.timeouts == 1 and again.cached == 1

@@ -146,6 +146,14 @@ def _memory_settings(cfg: JobConfig) -> dict[str, object]:
     }
 
 
+def use_torch_threads(cfg: JobConfig) -> None:
+    """This actor's torch threads: train.torch_threads when set (an engine or judge on a few CPU cores)."""
+    if cfg.train.torch_threads:
+        import torch
+
+        torch.set_num_threads(cfg.train.torch_threads)
+
+
 @contextlib.contextmanager
 def memory_guard(actor: str, phase: str, cfg: JobConfig) -> Iterator[None]:
     """Turn an out-of-memory error inside an actor into one that says where, how much and what to change."""
@@ -255,10 +263,7 @@ class LearnerActor:
 @ray.remote
 class RolloutActor:
     def __init__(self, cfg: JobConfig, forbidden: list[int], seed: int, index: int = 0) -> None:
-        if cfg.train.torch_threads:
-            import torch
-
-            torch.set_num_threads(cfg.train.torch_threads)
+        use_torch_threads(cfg)
         self.cfg, self.index, self.calls = cfg, index, 0
         with memory_guard("rollout engine", "start-up", cfg):
             self.engine = make_engine(

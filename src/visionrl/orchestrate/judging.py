@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -25,8 +25,19 @@ from visionrl import faults
 from visionrl.config import JobConfig
 from visionrl.data.prompts import question_text, user_prompt
 from visionrl.errors import RunError
-from visionrl.orchestrate.actors import memory_guard, placement, with_fault_env
-from visionrl.orchestrate.remote import ENGINE, JUDGE, ActorFailed, ActorHung, Call, gather, kill_actors
+from visionrl.orchestrate.actors import memory_guard, placement, use_torch_threads, with_fault_env
+from visionrl.orchestrate.remote import (
+    ENGINE,
+    JUDGE,
+    ActorFailed,
+    ActorHung,
+    ActorProblem,
+    Call,
+    gather,
+    kill_actors,
+    split_evenly,
+    wait_until_back,
+)
 from visionrl.rewards.combined import RewardResult, component_keys
 from visionrl.rewards.judge import JUDGE as JUDGE_REWARD
 from visionrl.rewards.judge import (
@@ -61,15 +72,15 @@ class JudgeScores:
     cached: int = 0
     seconds: float = 0.0
     first_error: str = ""
-    judged: list[float] = field(default_factory=list)  # the scores that came from the judge (no failures)
 
 
-def judge_entries(cfg: JobConfig) -> list[tuple[int, str, JudgeSpec]]:
-    """(index in `rewards`, component key, spec) of each judge of the job."""
+def judge_entries(cfg: JobConfig) -> list[tuple[str, JudgeSpec]]:
+    """(component key, spec) of each judge of the job."""
     specs = cfg.reward_specs()
-    keys = component_keys(specs)
     return [
-        (i, keys[i], JudgeSpec.from_kwargs(s.kwargs)) for i, s in enumerate(specs) if s.name == JUDGE_REWARD
+        (key, JudgeSpec.from_kwargs(s.kwargs))
+        for key, s in zip(component_keys(specs), specs, strict=True)
+        if s.name == JUDGE_REWARD
     ]
 
 
@@ -97,7 +108,8 @@ class Judging:
     def score(self, prompts: list[PromptItem], completions: list[list[Completion]]) -> JudgeScores:
         t0 = time.perf_counter()
         requests = self.requests(prompts, completions)
-        digests = [image_digest(p.images) for p, g in zip(prompts, completions, strict=True) for _ in g]
+        per_prompt = [image_digest(p.images) for p in prompts]  # once per prompt, not per completion
+        digests = [d for d, g in zip(per_prompt, completions, strict=True) for _ in g]
         keys = [pair_key(r.text, d) for r, d in zip(requests, digests, strict=True)]
         out = JudgeScores(self.key, [self.spec.on_error] * len(requests), ["error"] * len(requests))
         todo: dict[str, list[int]] = {}  # key -> samples: a pair asked twice in a batch is judged once
@@ -106,7 +118,6 @@ class Judging:
             if hit is not None:
                 out.scores[i], out.verdicts[i] = hit, "cached"
                 out.cached += 1
-                out.judged.append(hit)
             else:
                 todo.setdefault(k, []).append(i)
         unique = list(todo)
@@ -121,7 +132,6 @@ class Judging:
                     out.verdicts[i] = "timeout" if verdict.timeout else "error"
                 else:
                     out.scores[i], out.verdicts[i] = verdict
-                    out.judged.append(verdict[0])
             if not isinstance(verdict, JudgeFailure):
                 self.cache.put(k, verdict[0])
         out.seconds = time.perf_counter() - t0
@@ -178,12 +188,6 @@ def settle(calls: list[tuple[Call, list[int]]], n: int, timeout_s: float, kill_h
     return out
 
 
-def _chunks(n: int, parts: int) -> list[list[int]]:
-    k, r = divmod(n, parts)
-    bounds = [i * k + min(i, r) for i in range(parts + 1)]
-    return [list(range(bounds[i], bounds[i + 1])) for i in range(parts) if bounds[i] < bounds[i + 1]]
-
-
 def engine_backend(engines: list[Any], processor: Any, spec: JudgeSpec) -> Backend:
     """The rollout engines judge with the adapter switched off; the prompts are templated for the policy's model."""
     ask = judge_ask(spec, processor.tokenizer)
@@ -192,7 +196,8 @@ def engine_backend(engines: list[Any], processor: Any, spec: JudgeSpec) -> Backe
         prompts = [user_prompt(processor, r.text, r.images) for r in requests]
         calls = [
             (Call(engines[i].judge.remote([prompts[j] for j in idx], ask), ENGINE, i), idx)
-            for i, idx in enumerate(_chunks(len(prompts), len(engines)))
+            for i, idx in enumerate(split_evenly(list(range(len(prompts))), len(engines)))
+            if idx
         ]
         return settle(calls, len(prompts), spec.timeout_s, [])
 
@@ -212,24 +217,24 @@ class ActorBackend:
         self._wait_for_restarts()
         calls = [
             (Call(self.actors[i].judge.remote([requests[j] for j in idx]), JUDGE, i), idx)
-            for i, idx in enumerate(_chunks(len(requests), len(self.actors)))
+            for i, idx in enumerate(split_evenly(list(range(len(requests))), len(self.actors)))
+            if idx
         ]
         out = settle(calls, len(requests), self.spec.timeout_s, self.actors)
         self.down |= {c.index for c, idx in calls if any(isinstance(out[j], JudgeFailure) for j in idx)}
         return out
 
     def _wait_for_restarts(self) -> None:
+        """Up to `timeout_s` in all for the actors that failed last time; one still not back fails its next call,
+        which is counted like any other."""
         deadline = time.monotonic() + self.spec.timeout_s
         for i in sorted(self.down):
-            while time.monotonic() < deadline:
-                try:
-                    gather(
-                        [Call(self.actors[i].placement.remote(), JUDGE, i)], "restart", 5.0, "(judge restart)"
-                    )
-                    self.down.discard(i)
-                    break
-                except (ActorFailed, ActorHung):
-                    time.sleep(1.0)
+            left, key = max(deadline - time.monotonic(), 0.01), "the judge's timeout_s"
+            try:
+                wait_until_back(self.actors[i], JUDGE, i, left, key)
+                self.down.discard(i)
+            except ActorProblem:
+                pass
 
 
 @ray.remote
@@ -239,10 +244,7 @@ class JudgeActor:
     def __init__(self, spec: JudgeSpec, cfg: JobConfig, index: int = 0) -> None:
         from visionrl.judge.model import ModelJudge
 
-        if cfg.train.torch_threads:
-            import torch
-
-            torch.set_num_threads(cfg.train.torch_threads)
+        use_torch_threads(cfg)
         self.index, self.calls = index, 0
         with memory_guard("judge", "start-up", cfg):
             self.model = ModelJudge(spec, seed=cfg.train.seed + index, kv_cache_gib=cfg.rollout.kv_cache_gib)
@@ -289,7 +291,7 @@ def start_judges(cfg: JobConfig, engines: list[Any], processor: Any) -> list[Jud
 
     judges: list[Judging] = []
     try:
-        for _, key, spec in judge_entries(cfg):
+        for key, spec in judge_entries(cfg):
             actors: list[Any] = []
             if spec.backend == "engine":
                 backend = engine_backend(engines, processor, spec)

@@ -13,13 +13,14 @@ import contextlib
 import re
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import ray
 
 from visionrl.errors import OutOfMemory
 from visionrl.orchestrate import preemption
 
+T = TypeVar("T")
 LEARNER, ENGINE, REWARD, JUDGE = "learner", "rollout engine", "reward worker", "judge"
 POLL_S = 0.5  # how often an interruptible wait looks for a stop request
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours the traceback's header line
@@ -166,6 +167,32 @@ def gather(
             except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as err:
                 raise ActorFailed(calls[i].role, calls[i].index, phase, err) from err
     return results
+
+
+def split_evenly(items: list[T], parts: int) -> list[list[T]]:
+    """`items` as `parts` consecutive runs whose lengths differ by at most one (the first ones longer), some of them
+    empty when there are fewer items than parts: a batch fanned out over actors, in order."""
+    k, r = divmod(len(items), parts)
+    out, start = [], 0
+    for i in range(parts):
+        end = start + k + (1 if i < r else 0)
+        out.append(items[start:end])
+        start = end
+    return out
+
+
+def wait_until_back(actor: Any, role: str, index: int, timeout_s: float, key: str) -> dict[str, Any]:
+    """The placement of an actor that Ray is restarting, once it answers. While it is rebuilt its calls fail as
+    unavailable; after `timeout_s` (the config key `key`), or on any other failure, the failure is raised."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = max(deadline - time.monotonic(), 0.0)
+        try:
+            return gather([Call(actor.placement.remote(), role, index)], "restart", left, key)[0]
+        except ActorFailed as failed:
+            if not failed.unavailable or time.monotonic() >= deadline:
+                raise
+        time.sleep(1.0)
 
 
 def kill_actors(actors: list[Any]) -> None:

@@ -43,6 +43,8 @@ from visionrl.orchestrate.remote import (
     Call,
     gather,
     kill_actors,
+    split_evenly,
+    wait_until_back,
 )
 from visionrl.rewards import CombinedReward, RewardResult, RewardSpec, build_reward_fn
 from visionrl.rewards.merge import merge_results
@@ -58,16 +60,6 @@ ENGINE_SEED_STRIDE = 1_000_003  # engines draw from disjoint seed streams: no tw
 
 def _engine_spec(spec: SamplingSpec, engine: int) -> SamplingSpec:
     return spec if spec.seed is None else replace(spec, seed=spec.seed + ENGINE_SEED_STRIDE * engine)
-
-
-def _split(items: list, parts: int) -> list[list]:
-    k, r = divmod(len(items), parts)
-    out, start = [], 0
-    for i in range(parts):
-        end = start + k + (1 if i < r else 0)
-        out.append(items[start:end])
-        start = end
-    return out
 
 
 class _RemoteEngine:
@@ -152,21 +144,12 @@ class Workers:
         actor = actors[problem.index]
         if isinstance(problem, ActorHung):  # a dead one is being rebuilt by Ray already (max_restarts)
             ray.kill(actor, no_restart=False)  # SIGKILL, also for a stopped process; Ray rebuilds it in place
-        place = self._wait_until_back(actor, problem.role, problem.index)
+        place = wait_until_back(
+            actor, problem.role, problem.index, self.cfg.ray.startup_timeout_s, "ray.startup_timeout_s"
+        )
         logger.info("%s restarted: %s", problem.actor, place)
         if problem.role == ENGINE:
             self._resync(problem.index)
-
-    def _wait_until_back(self, actor: Any, role: str, index: int) -> dict[str, Any]:
-        key, deadline = "ray.startup_timeout_s", time.monotonic() + self.cfg.ray.startup_timeout_s
-        while True:
-            left = max(deadline - time.monotonic(), 0.0)
-            try:
-                return gather([Call(actor.placement.remote(), role, index)], "restart", left, key)[0]
-            except ActorFailed as failed:
-                if not failed.unavailable or time.monotonic() >= deadline:
-                    raise
-            time.sleep(1.0)
 
     def _resync(self, index: int) -> None:
         """A restarted engine must serve the learner's version and apply every adapter part as the learner does."""
@@ -185,7 +168,7 @@ class Workers:
 
     # 2. rollout
     def rollout(self, prompts: list[PromptItem], spec: SamplingSpec) -> list[list[Completion]]:
-        chunks = _split(prompts, len(self.engines))
+        chunks = split_evenly(prompts, len(self.engines))
 
         def attempt() -> list[list[Completion]]:
             calls = [
@@ -255,7 +238,9 @@ class Workers:
         records = [_reward_record(p) for p, group in zip(prompts, completions, strict=True) for _ in group]
         n = len(self.rewards)
         parts_in = [
-            (i, t, r) for i, (t, r) in enumerate(zip(_split(texts, n), _split(records, n), strict=True)) if t
+            (i, t, r)
+            for i, (t, r) in enumerate(zip(split_evenly(texts, n), split_evenly(records, n), strict=True))
+            if t
         ]
         deadline = reward_deadline_s(self.cfg, max((len(t) for _, t, _ in parts_in), default=0))
 
