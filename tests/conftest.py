@@ -179,6 +179,19 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_reward_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`tiny_model` with a score head (lm_head of 'yes' minus 'no'): a reward model for the classifier judge."""
+    from visionrl.models.score_head import add_score_head
+
+    def build(out: Path) -> Path:
+        shutil.copytree(tiny_model, out / "model")
+        add_score_head(out / "model")
+        return out / "model"
+
+    return _built_once(tmp_path_factory, "tiny-reward", build)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen25_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random-weight tiny Qwen2.5-VL checkpoint (`init-tiny-model --arch qwen2_5_vl`)."""
     from visionrl.models.tiny import build_tiny_model

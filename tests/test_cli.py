@@ -70,7 +70,7 @@ SUBCOMMAND_OPTIONS = {
     "export": ["src", "dest", "--allow-unservable", "--overwrite"],
     "fetch": ["src", "--cache-dir"],
     "serve": ["--base", "--adapter", "--host", "--port", "--api-key", "--allow-insecure", "--vllm-arg"],
-    "init-tiny-model": ["dir", "--arch", "--seed", "--no-pretrain", "--recipe"],
+    "init-tiny-model": ["dir", "--arch", "--seed", "--no-pretrain", "--recipe", "--score-head"],
     "make-data": ["dir", "--task", "--num-train", "--num-eval", "--seed", "--image-size", "--question-type"],
 }  # fmt: skip
 

@@ -49,7 +49,12 @@ def _cmd_init_tiny_model(args: argparse.Namespace) -> int:
     out = build_tiny_model(
         args.dir, seed=args.seed, pretrain=not args.no_pretrain, arch=args.arch, recipe=args.recipe
     )
-    print(f"tiny {args.arch} model written to {out}")
+    if args.score_head:
+        from visionrl.models.score_head import add_score_head
+
+        add_score_head(out)
+    head = " with a score head (a classifier judge)" if args.score_head else ""
+    print(f"tiny {args.arch} model{head} written to {out}")
     return 0
 
 
@@ -358,6 +363,12 @@ def _init_tiny_model_args(sp: argparse.ArgumentParser) -> None:
         help="the task the pre-trained base is made for: it answers that task in format, at chance "
         "(easy-vqa also adds the data set's words to the tokenizer); judge-color makes a tiny judge instead, "
         "which answers yes or no to configs/judges/color_match.txt (a `judge` reward's model)",
+    )
+    sp.add_argument(
+        "--score-head",
+        action="store_true",
+        help="also write a sequence-classification score head (lm_head of 'yes' minus 'no'), so the model is a "
+        "reward model for a judge with backend classifier",
     )
 
 

@@ -21,7 +21,7 @@ from visionrl.config_ray import RayConfig
 from visionrl.config_rollout import RolloutConfig
 from visionrl.config_yaml import ConfigError, Section, UniqueKeyLoader, apply_overrides
 from visionrl.data.images import DEFAULT_MAX_IMAGES, DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS
-from visionrl.rewards.judge import JUDGE, JudgeSpec, load_template
+from visionrl.rewards.judge import JUDGE, JudgeSpec, judge_template
 from visionrl.rewards.registry import RewardConfigError, RewardSpec, resolve_reward
 
 # Default LoRA targets: the language model's projections only (never the vision blocks, whose
@@ -391,7 +391,7 @@ class JobConfig(Section):
         for i, reward in enumerate(self.rewards):
             try:
                 if reward.name == JUDGE:
-                    load_template(JudgeSpec.from_kwargs(reward.kwargs).template)
+                    judge_template(JudgeSpec.from_kwargs(reward.kwargs))
                 else:
                     resolve_reward(
                         RewardSpec(name=reward.name, weight=reward.weight, kwargs=dict(reward.kwargs))

@@ -1,6 +1,7 @@
 """Judge rewards in the real loop (Ray actors, the tiny Qwen3-VL): the rollout engines' base model as the only
-reward (backend engine), and a judge model in its own actor beside a rule reward (backend vllm) whose death costs
-one step's judgements (scored on_error, counted) and not the run; a hung judge call is counted as a timeout."""
+reward (backend engine), a judge model in its own actor beside a rule reward (backend vllm) whose death costs
+one step's judgements (scored on_error, counted) and not the run, a reward model in its own actor (backend
+classifier); a hung judge call is counted as a timeout."""
 
 from __future__ import annotations
 
@@ -125,6 +126,29 @@ def test_a_judge_actor_beside_a_rule_reward_survives_its_death(
         "judge reward 'judge': 8 error(s) and 0 timeout(s)" in log
         and "the judge 0 died during judging" in log
     )
+
+
+def test_a_reward_model_in_a_judge_actor_scores_the_conversation(
+    tiny_reward_model: Path, tiny_model: Path, color_data: Path, tmp_path: Path, shared_ray
+) -> None:
+    """backend classifier: a reward model (the tiny VLM with a score head) in its own actor reads the question and
+    the completion as a conversation (no template) and its sigmoid-squashed score is the only reward."""
+    from visionrl.orchestrate.loop import train
+
+    kwargs = {
+        "backend": "classifier",
+        "model": str(tiny_reward_model),
+        "score": "scalar",
+        "input": "conversation",
+    }
+    result = train(_cfg(tiny_model, color_data, tmp_path / "run", [{"name": "judge", "kwargs": kwargs}]))
+    for h in result.history:
+        assert 0.0 < h["reward/judge_mean"] < 1.0 and h["reward/judge_mean"] == pytest.approx(
+            h["reward/mean"]
+        )
+        assert h["reward/judge_errors"] == 0.0 and h["timing/judge_s"] > 0.0
+    log = (tmp_path / "run" / "visionrl.log").read_text()
+    assert f"judge actors ({tiny_reward_model})" in log
 
 
 def test_a_hung_or_dead_judge_call_is_counted_not_waited_for(shared_ray) -> None:

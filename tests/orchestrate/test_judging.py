@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from visionrl.errors import RunError
-from visionrl.orchestrate.judging import Judging
+from visionrl.judge.scoring import Judging
 from visionrl.rewards.judge import JudgeFailure, JudgeRequest, JudgeSpec
 from visionrl.types import Completion, PromptItem
 

@@ -18,6 +18,7 @@ from visionrl.rewards.judge import (
     VerdictCache,
     image_digest,
     judge_ask,
+    judge_template,
     load_template,
     pair_key,
     read_verdict,
@@ -48,7 +49,12 @@ def test_spec_defaults_and_named_errors() -> None:
         "needs `base_url`": {"backend": "endpoint", "model": "m"},
         "needs `model`": {"backend": "vllm"},
         "a classifier returns a scalar": {"score": "scalar"},
-        "'classifier' .* is not available yet": {"backend": "classifier", "model": "m"},
+        "score 'yes_probability' with backend 'classifier'": {"backend": "classifier", "model": "m"},
+        "judge input 'conversation' is read by a classifier": {"input": "conversation"},
+        "judge input 'chat' is not one of template, conversation": {"input": "chat"},
+        "judge squash 'tanh' is not one of sigmoid, none": {"squash": "tanh"},
+        "judge batch_size: an integer >= 1": {"batch_size": 0},
+        "judge template: the path of the template file": {"template": ""},
         "judge timeout_s: a positive number": {"timeout_s": 0},
         "judge on_error: a finite number": {"on_error": math.nan},
         "judge yes: a word or a list of words": {"yes": []},
@@ -59,6 +65,11 @@ def test_spec_defaults_and_named_errors() -> None:
             ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")
         ):
             _spec(**kwargs)
+    # a classifier reading the conversation needs no template; its questions' cache key is question + completion
+    conv = _spec(backend="classifier", model="m", score="scalar", input="conversation", template="")
+    assert (conv.input, conv.squash, conv.batch_size, judge_template(conv)) == (
+        "conversation", "sigmoid", 8, "{question}\n{completion}",
+    )  # fmt: skip
 
 
 def test_api_key_comes_from_the_named_variable(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -152,7 +163,8 @@ def test_cache_keys_and_eviction() -> None:
 
 
 def test_join_scores_weights_the_judge_with_the_rules() -> None:
-    from visionrl.orchestrate.judging import JudgeScores, join_scores
+    from visionrl.judge.scoring import JudgeScores
+    from visionrl.orchestrate.judging import join_scores
 
     specs = [RewardSpec("exact_match", 2.0), RewardSpec("judge", 0.5, {"backend": "engine", "template": "t"})]
     rules = RewardResult(

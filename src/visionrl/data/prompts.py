@@ -50,6 +50,20 @@ def user_prompt(processor: Any, text: str, images: Sequence[Image.Image]) -> Pro
     return PromptItem(text=templated, images=[fit_to_processor(image, processor) for image in images])
 
 
+def conversation_prompt(
+    processor: Any, question: str, answer: str, images: Sequence[Image.Image]
+) -> PromptItem:
+    """A user turn (the images, then `question`) and the assistant's `answer`, chat-templated for `processor`'s
+    model, closed (no turn opened after it): what a reward model that reads the conversation scores."""
+    content = [*({"type": "image"} for _ in images), {"type": "text", "text": question}]
+    messages = [
+        {"role": "user", "content": content},
+        {"role": "assistant", "content": [{"type": "text", "text": answer}]},
+    ]
+    templated = processor.apply_chat_template(messages, add_generation_prompt=False, tokenize=False)
+    return PromptItem(text=templated, images=[fit_to_processor(image, processor) for image in images])
+
+
 def question_text(record: dict[str, Any], prompt_key: str = "prompt") -> str:
     """The question a record asks: its `prompt_key` field (image markers removed), else its messages' text."""
     if isinstance(record.get(prompt_key), str):

@@ -1,10 +1,10 @@
 """The run's judges: each `judge` entry of the job's rewards, scoring a step's completions beside the rule rewards.
 
-For every completion the judge's question is the entry's template rendered with the record's question, its
-reference answer and the completion (delimited: `rewards.judge`), with the prompt's images. Pairs judged before
-come from a cache, the rest go out in one batch per engine or judge actor (or concurrent requests to an endpoint):
+Each entry is a `judge.scoring.Judging` (its questions, cache, verdicts and counters); here are its backends in a
+run: one batch per engine or judge actor (or concurrent requests to an endpoint):
 - `engine`: the rollout engines themselves, the adapter switched off: the base model judges, no extra memory;
 - `vllm`: judge actors, each with its own vLLM engine of the judge model (`judge.model`);
+- `classifier`: judge actors, each with a transformers reward model (`judge.classifier`);
 - `endpoint`: an OpenAI-compatible server (`judge.endpoint`), called from the driver.
 A batch past `timeout_s`, a dead judge actor or a failing request scores `on_error` for its samples and is
 counted (errors, timeouts); a hung actor is killed and Ray restarts it. When every judgement of
@@ -15,16 +15,15 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import ray
 
 from visionrl import faults
 from visionrl.config import JobConfig
-from visionrl.data.prompts import question_text, user_prompt
-from visionrl.errors import RunError
+from visionrl.data.prompts import user_prompt
+from visionrl.judge.scoring import Backend, JudgeScores, Judging, Raw, judge_entries
 from visionrl.orchestrate.actors import memory_guard, placement, use_torch_threads, with_fault_env
 from visionrl.orchestrate.remote import (
     ENGINE,
@@ -39,129 +38,10 @@ from visionrl.orchestrate.remote import (
     wait_until_back,
 )
 from visionrl.rewards.combined import RewardResult, component_keys
-from visionrl.rewards.judge import JUDGE as JUDGE_REWARD
-from visionrl.rewards.judge import (
-    JudgeFailure,
-    JudgeRequest,
-    JudgeSpec,
-    VerdictCache,
-    image_digest,
-    judge_ask,
-    load_template,
-    pair_key,
-    read_verdict,
-    render,
-)
+from visionrl.rewards.judge import JudgeFailure, JudgeRequest, JudgeSpec, judge_ask
 from visionrl.rewards.registry import RewardSpec
-from visionrl.types import Completion, PromptItem
 
 logger = logging.getLogger(__name__)
-Raw = float | str | None | JudgeFailure
-Backend = Callable[[list[JudgeRequest]], Sequence[Raw]]
-
-
-@dataclass
-class JudgeScores:
-    """One judge's scores of a step: per sample its score (on_error where it failed) and verdict, and counts."""
-
-    key: str
-    scores: list[float]
-    verdicts: list[str]
-    errors: int = 0
-    timeouts: int = 0
-    cached: int = 0
-    seconds: float = 0.0
-    first_error: str = ""
-
-
-def judge_entries(cfg: JobConfig) -> list[tuple[str, JudgeSpec]]:
-    """(component key, spec) of each judge of the job."""
-    specs = cfg.reward_specs()
-    return [
-        (key, JudgeSpec.from_kwargs(s.kwargs))
-        for key, s in zip(component_keys(specs), specs, strict=True)
-        if s.name == JUDGE_REWARD
-    ]
-
-
-class Judging:
-    """One judge entry: renders the questions, keeps the cache, calls `backend`, reads and counts the verdicts."""
-
-    def __init__(
-        self, key: str, spec: JudgeSpec, backend: Backend, prompt_key: str, actors: list[Any]
-    ) -> None:
-        self.key, self.spec, self.backend, self.prompt_key = key, spec, backend, prompt_key
-        self.template = load_template(spec.template)
-        self.cache = VerdictCache(spec.cache_size)
-        self.actors = actors  # the judge actors of a `vllm` backend (stopped with the run)
-        self.failed_in_a_row = 0
-
-    def requests(self, prompts: list[PromptItem], completions: list[list[Completion]]) -> list[JudgeRequest]:
-        out = []
-        for prompt, group in zip(prompts, completions, strict=True):
-            question = question_text(prompt.record, self.prompt_key)
-            for c in group:
-                text = render(self.template, question, prompt.answer, c.text, self.spec.max_completion_chars)
-                out.append(JudgeRequest(text, tuple(prompt.images)))
-        return out
-
-    def score(self, prompts: list[PromptItem], completions: list[list[Completion]]) -> JudgeScores:
-        t0 = time.perf_counter()
-        requests = self.requests(prompts, completions)
-        per_prompt = [image_digest(p.images) for p in prompts]  # once per prompt, not per completion
-        digests = [d for d, g in zip(per_prompt, completions, strict=True) for _ in g]
-        keys = [pair_key(r.text, d) for r, d in zip(requests, digests, strict=True)]
-        out = JudgeScores(self.key, [self.spec.on_error] * len(requests), ["error"] * len(requests))
-        todo: dict[str, list[int]] = {}  # key -> samples: a pair asked twice in a batch is judged once
-        for i, k in enumerate(keys):
-            hit = self.cache.get(k)
-            if hit is not None:
-                out.scores[i], out.verdicts[i] = hit, "cached"
-                out.cached += 1
-            else:
-                todo.setdefault(k, []).append(i)
-        unique = list(todo)
-        raws = self.backend([requests[todo[k][0]] for k in unique]) if unique else []
-        for k, raw in zip(unique, raws, strict=True):
-            verdict = raw if isinstance(raw, JudgeFailure) else read_verdict(self.spec, raw)
-            for i in todo[k]:
-                if isinstance(verdict, JudgeFailure):
-                    out.timeouts += verdict.timeout
-                    out.errors += not verdict.timeout
-                    out.first_error = out.first_error or verdict.message
-                    out.verdicts[i] = "timeout" if verdict.timeout else "error"
-                else:
-                    out.scores[i], out.verdicts[i] = verdict
-            if not isinstance(verdict, JudgeFailure):
-                self.cache.put(k, verdict[0])
-        out.seconds = time.perf_counter() - t0
-        if out.errors or out.timeouts:
-            logger.warning(
-                "judge reward %r: %d error(s) and %d timeout(s) in this step's %d judgements (scored on_error=%g); the first: %s",
-                self.key,
-                out.errors,
-                out.timeouts,
-                len(requests),
-                self.spec.on_error,
-                out.first_error,
-            )
-        self._watch(out)
-        return out
-
-    def _watch(self, out: JudgeScores) -> None:
-        """Stop the run once every judgement of `max_failed_steps` steps in a row failed."""
-        n = len(out.scores)
-        if n == 0 or out.errors + out.timeouts < n:
-            self.failed_in_a_row = 0
-            return
-        self.failed_in_a_row += 1
-        limit = self.spec.max_failed_steps
-        if limit and self.failed_in_a_row >= limit:
-            raise RunError(
-                f"the judge ({self.key}, backend {self.spec.backend}) failed on every sample of {limit} step(s) in "
-                f"a row, so the run has no reward to learn from; its first error: {out.first_error}\nTo fix: check "
-                "the judge's model, endpoint (base_url, api_key_env) and timeout_s in the job file's rewards"
-            )
 
 
 def settle(calls: list[tuple[Call, list[int]]], n: int, timeout_s: float, kill_hung: list[Any]) -> list[Raw]:
@@ -239,17 +119,26 @@ class ActorBackend:
 
 @ray.remote
 class JudgeActor:
-    """A judge model of its own (a `judge` reward with backend vllm): its engine and processor (`judge.model`)."""
+    """A judge model of its own (a `judge` reward with backend vllm or classifier): its vLLM engine and processor
+    (`judge.model`), or a reward model in transformers (`judge.classifier`)."""
 
     def __init__(self, spec: JudgeSpec, cfg: JobConfig, index: int = 0) -> None:
-        from visionrl.judge.model import ModelJudge
-
         use_torch_threads(cfg)
         self.index, self.calls = index, 0
+        self.model: Any
         with memory_guard("judge", "start-up", cfg):
-            self.model = ModelJudge(spec, seed=cfg.train.seed + index, kv_cache_gib=cfg.rollout.kv_cache_gib)
+            if spec.backend == "classifier":
+                from visionrl.judge.classifier import ClassifierJudge
 
-    def judge(self, requests: list[JudgeRequest]) -> list[float | str | None]:
+                self.model = ClassifierJudge(spec, device="cuda" if spec.num_gpus > 0 else "cpu")
+            else:
+                from visionrl.judge.model import ModelJudge
+
+                self.model = ModelJudge(
+                    spec, seed=cfg.train.seed + index, kv_cache_gib=cfg.rollout.kv_cache_gib
+                )
+
+    def judge(self, requests: list[JudgeRequest]) -> Sequence[float | str | None]:
         self.calls += 1
         for fault in ("kill_judge", "hang_judge"):
             faults.at_call(fault, self.index, self.calls)
@@ -263,7 +152,7 @@ class JudgeActor:
 
 
 def start_judge_actors(cfg: JobConfig, spec: JudgeSpec) -> list[Any]:
-    """The judge actors of `spec` (backend vllm), each answering its placement before the run goes on."""
+    """The judge actors of `spec` (backend vllm or classifier), each answering its placement before the run goes on."""
     opts: dict[str, Any] = {
         "num_cpus": spec.num_cpus,
         "num_gpus": spec.num_gpus,
@@ -286,7 +175,7 @@ def start_judge_actors(cfg: JobConfig, spec: JudgeSpec) -> list[Any]:
 
 
 def start_judges(cfg: JobConfig, engines: list[Any], processor: Any) -> list[Judging]:
-    """A `Judging` for each judge entry of the job, its judge actors started (backend vllm) and answering."""
+    """A `Judging` for each judge entry of the job, its judge actors started (backends vllm, classifier) and answering."""
     from visionrl.judge.endpoint import EndpointJudge
 
     judges: list[Judging] = []

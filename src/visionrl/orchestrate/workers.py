@@ -21,6 +21,7 @@ import ray
 from visionrl import metrics as tags
 from visionrl.config import JobConfig
 from visionrl.errors import RunError, StorageError, storage_errors
+from visionrl.judge.scoring import Judging
 from visionrl.orchestrate.delivery import (
     FINGERPRINT_TOKENS,
     PartProbe,
@@ -29,7 +30,7 @@ from visionrl.orchestrate.delivery import (
     scoring_batch,
 )
 from visionrl.orchestrate.failures import resume_hint
-from visionrl.orchestrate.judging import Judging, join_scores, start_judges
+from visionrl.orchestrate.judging import join_scores, start_judges
 from visionrl.orchestrate.learners import CALL_KEY, LearnerGroup
 from visionrl.orchestrate.prompt_stream import PromptStream
 from visionrl.orchestrate.remote import (

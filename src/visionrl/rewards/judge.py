@@ -29,6 +29,8 @@ from visionrl.types import JudgeAsk
 JUDGE = "judge"  # the reward name that selects a judge in the job file
 BACKENDS = ("engine", "vllm", "endpoint", "classifier")
 SCORES = ("yes_probability", "tag", "scalar")
+INPUTS = ("template", "conversation")  # what a classifier reads (the other backends read the template)
+SQUASHES = ("sigmoid", "none")
 PLACEHOLDERS = ("question", "reference", "completion")
 OPEN, CLOSE = "<completion>", "</completion>"
 _OWN_TAGS = re.compile(r"<\s*/?\s*completion\s*>", re.I)
@@ -43,16 +45,21 @@ class JudgeSpec:
     Attributes:
         backend: engine (the rollout engines' base model, the adapter switched off), vllm (a judge model in its
             own Ray actor(s)), endpoint (an OpenAI-compatible server), classifier (a transformers reward model).
-        template: the template file; `{completion}` required, `{question}` and `{reference}` optional.
+        template: the template file; `{completion}` required, `{question}` and `{reference}` optional. Not needed by
+            a classifier that reads the conversation.
         score: yes_probability (P(yes) / (P(yes) + P(no)) of the judge's next token), tag (the number inside
             `<score>...</score>` of the judge's greedy answer) or scalar (the classifier's output).
+        input: what a classifier reads: template (the rendered template as the user's turn, then the assistant's
+            turn opened, as a generative judge is asked) or conversation (the prompt's images and question as the
+            user's turn, the completion as the assistant's: how public reward models are trained).
+        squash: sigmoid (the classifier's number mapped into (0, 1), like the other rewards) or none (as it is).
         model: the judge checkpoint (vllm, classifier) or the served model's name (endpoint).
         timeout_s: deadline of one judging call (a batch on an engine or actor, one request to an endpoint).
         on_error: the score of a sample whose judging failed or timed out (counted).
     """
 
     backend: str
-    template: str
+    template: str = ""
     score: str = "yes_probability"
     model: str | None = None
     timeout_s: float = 30.0
@@ -75,6 +82,10 @@ class JudgeSpec:
     dtype: str = "float32"
     gpu_memory_utilization: float = 0.3
     max_model_len: int = 4096
+    # classifier
+    input: str = "template"
+    squash: str = "sigmoid"
+    batch_size: int = 8
 
     @classmethod
     def from_kwargs(cls, kwargs: Mapping[str, Any]) -> JudgeSpec:
@@ -105,13 +116,15 @@ class JudgeSpec:
     def check(self) -> None:
         """Raises ValueError for a combination that cannot run (which key, why, what to write)."""
         _one_of("backend", self.backend, BACKENDS)
-        if self.backend == "classifier":
-            raise ValueError(
-                "judge backend 'classifier' (a transformers reward model with a scalar head) is not available yet; "
-                "use engine (the policy's base model), vllm (a judge model of its own) or endpoint"
-            )
         _one_of("score", self.score, SCORES)
-        if not isinstance(self.template, str) or not self.template:
+        _one_of("input", self.input, INPUTS)
+        _one_of("squash", self.squash, SQUASHES)
+        if self.input == "conversation" and self.backend != "classifier":
+            raise ValueError(
+                "judge input 'conversation' is read by a classifier (backend classifier); a generative judge is "
+                "asked through its template (input: template)"
+            )
+        if not isinstance(self.template, str) or (not self.template and self.input == "template"):
             raise ValueError(
                 "judge template: the path of the template file (e.g. configs/judges/color_match.txt)"
             )
@@ -127,7 +140,9 @@ class JudgeSpec:
         if self.backend == "endpoint" and not self.base_url:
             raise ValueError("judge backend 'endpoint' needs `base_url` (e.g. http://127.0.0.1:8000/v1)")
         _positive("timeout_s", self.timeout_s)
-        for key in ("max_tokens", "max_completion_chars", "cache_size", "max_concurrency", "num_actors"):
+        for key in (
+            "max_tokens", "max_completion_chars", "cache_size", "max_concurrency", "num_actors", "batch_size",
+        ):  # fmt: skip
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
                 raise ValueError(f"judge {key}: an integer >= 1, got {getattr(self, key)!r}")
         for key in ("retries", "max_failed_steps"):
@@ -153,10 +168,13 @@ class JudgeSpec:
 
 @dataclass(frozen=True)
 class JudgeRequest:
-    """One judgement to make: the rendered template and the prompt's images (PIL)."""
+    """One judgement to make: the rendered template and the prompt's images (PIL); the question and the completion
+    apart for a classifier that reads the conversation."""
 
     text: str
     images: tuple[Any, ...] = ()
+    question: str = ""
+    completion: str = ""
 
 
 @dataclass(frozen=True)
@@ -222,6 +240,15 @@ def load_template(path: str | Path) -> str:
             f"judge template {str(path)!r} has no {{completion}}: the judge would never see the answer"
         )
     return text
+
+
+CONVERSATION = "{question}\n{completion}"  # a classifier reading the conversation: its questions' cache key
+
+
+def judge_template(spec: JudgeSpec) -> str:
+    """The entry's template (its file, checked), or for a classifier that reads the conversation and names none,
+    the question and the completion (only its cache key is made from it)."""
+    return load_template(spec.template) if spec.template else CONVERSATION
 
 
 def delimited(completion: str, max_chars: int) -> str:
