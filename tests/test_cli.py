@@ -66,7 +66,7 @@ SUBCOMMAND_OPTIONS = {
     "validate": ["config", "--schema", "--check-data"],
     "eval": ["--data", "--out", "--base", "--adapter", "--engine", "--endpoint", "--model", "--concurrency",
              "--timeout", "--max-failed-fraction", "--api-key", "--ablate-images", "--max-samples",
-             "--max-tokens", "--reward", "--seed", "--min-pixels", "--max-pixels", "--max-images-per-prompt"],
+             "--max-tokens", "--reward", "--seed", "--judge", "--min-pixels", "--max-pixels", "--max-images-per-prompt"],
     "export": ["src", "dest", "--allow-unservable", "--overwrite"],
     "fetch": ["src", "--cache-dir"],
     "serve": ["--base", "--adapter", "--host", "--port", "--api-key", "--allow-insecure", "--vllm-arg"],

@@ -410,6 +410,20 @@ def test_yaml_merge_key_then_an_explicit_key_is_not_a_duplicate(tmp_path: Path) 
     assert (cfg.rollout.temperature, cfg.rollout.top_p) == (0.7, 0.9)
 
 
+def test_yes_no_on_off_are_words_and_only_true_false_are_booleans(tmp_path: Path) -> None:
+    # YAML 1.1 (PyYAML's default) reads yes/no/on/off as booleans: a judge's `yes: yes` became {True: True}.
+    template = tmp_path / "t.txt"
+    template.write_text("{completion} right? yes or no")
+    judge = f"  - name: judge\n    kwargs: {{backend: engine, template: {template}, yes: [yes, Yes], no: No}}\n"
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump({k: v for k, v in MINIMAL.items() if k != "rewards"}) + "rewards:\n" + judge)
+    kwargs = load_config(path).rewards[0].kwargs
+    assert (kwargs["yes"], kwargs["no"]) == (["yes", "Yes"], "No")
+    assert load_config(path, ["lora.train_merger=true"]).lora.train_merger is True
+    assert load_config(path, ["lora.train_merger=on"]).lora.train_merger is True  # the schema still reads "on"
+    assert apply_overrides({}, ["a=yes", "b=true", "c=OFF"]) == {"a": "yes", "b": True, "c": "OFF"}
+
+
 def test_duplicate_key_in_an_override_value_is_an_error() -> None:
     with pytest.raises(ConfigError, match="not valid YAML"):
         apply_overrides(MINIMAL, ["rollout={temperature: 0.5, temperature: 0.7}"])

@@ -110,6 +110,7 @@ def _eval_budget(args: argparse.Namespace) -> ImageBudget | None:
 
 def _cmd_eval(args: argparse.Namespace) -> int:
     from visionrl.data.layouts import Layout
+    from visionrl.eval.judged import parse_judges
 
     common: dict[str, Any] = {
         "data": args.data,
@@ -121,6 +122,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "budget": _eval_budget(args),
         "layout": Layout(prompt_key=args.prompt_key, answer_key=args.answer_key, image_key=args.image_key),
+        "judges": parse_judges(args.judge) if args.judge else None,
     }
     if args.endpoint:
         from visionrl.eval.endpoint import check_failures, evaluate_endpoint
@@ -136,14 +138,14 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         )
         _print_report(report, args.out)
         check_failures(report, args.max_failed_fraction, args.out)
-        return 0
+        return _judges_ok(report, args.out)
     if not args.base:
         raise _usage("eval needs --base MODEL (local evaluation) or --endpoint URL (a served model)")
     from visionrl.eval.local import evaluate_local
 
     report = evaluate_local(base=args.base, adapter=args.adapter, engine=args.engine, **common)
     _print_report(report, args.out)
-    return 0
+    return _judges_ok(report, args.out)
 
 
 def _print_report(report: dict[str, Any], out: str) -> None:
@@ -151,6 +153,28 @@ def _print_report(report: dict[str, Any], out: str) -> None:
         f"accuracy {report['accuracy']:.3f} on {report['num_samples']} samples "
         f"({report['num_failed']} failed) -> {out}"
     )
+    for key, j in (report.get("judges") or {}).items():
+        mean = "-" if j["mean"] is None else f"{j['mean']:.3f}"
+        accepted = "-" if j["accepted"] is None else f"{j['accepted']:.3f}"
+        failed = j["errors"] + j["timeouts"]
+        print(
+            f"judge {key} ({j['backend']}): mean {mean}, accepted {accepted} of {j['num_judged']} ({failed} failed)"
+        )
+
+
+def _judges_ok(report: dict[str, Any], out: str) -> int:
+    """1 (the report is written) when a judge failed on every answered sample: its first error says why."""
+    from visionrl.eval.judged import failed_judges
+
+    failed = failed_judges(report)
+    for line in failed:
+        print(f"error: judge {line}", file=sys.stderr)
+    if failed:
+        print(
+            f"the judge scores in {out} are missing; check the judge's model, endpoint and template",
+            file=sys.stderr,
+        )
+    return 1 if failed else 0
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
@@ -252,6 +276,12 @@ def _eval_args(sp: argparse.ArgumentParser) -> None:
         help="scoring reward (default exact_match; repeatable, e.g. numeric)",
     )
     sp.add_argument("--seed", type=int, default=0, help="seed (image permutation)")
+    sp.add_argument(
+        "--judge",
+        metavar="SPEC",
+        help="also score the answers with a judge: a job file (its judge rewards), a YAML file of a judge entry, "
+        "or an inline mapping, e.g. '{backend: endpoint, base_url: URL, model: NAME, template: FILE}' (README, Rewards)",
+    )
     sp.add_argument(
         "--min-pixels",
         type=int,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import yaml
@@ -16,7 +17,19 @@ class ConfigError(InputError):
 
 class UniqueKeyLoader(yaml.SafeLoader):
     """SafeLoader that rejects a key repeated in one mapping (PyYAML would silently keep the last one,
-    dropping e.g. a whole first `train:` section)."""
+    dropping e.g. a whole first `train:` section), and reads booleans as YAML 1.2 does: only true and false.
+    PyYAML's YAML 1.1 also turns yes, no, on and off into booleans, so a judge's `yes: yes` became {True: True}
+    and the word was lost."""
+
+    yaml_implicit_resolvers = {
+        first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
+
+
+UniqueKeyLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
 
 
 def _construct_unique_mapping(loader: UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> Any:

@@ -222,3 +222,43 @@ def test_vllm_and_hf_give_the_same_greedy_answers(
         ]
         assert vllm_answers == hf_answers, kind
         assert report["accuracy"] == hf_reports[kind]["accuracy"]
+
+
+def test_eval_judge_scores_beside_exact_match(
+    tiny: dict[str, Path], tiny_model: Path, tiny_reward_model: Path, tmp_path: Path, capsys
+) -> None:
+    """`visionrl eval --judge JOB`: two judges of a job file score the adapter's answers. The engine's base model
+    (the adapter switched off) with the words yes and no, and a reward model whose head is that base's lm_head of
+    yes minus no: the same number per sample (the classifier's sigmoid is the two-word share)."""
+    from visionrl.cli import main
+
+    template = tmp_path / "t.txt"
+    template.write_text("{question}\nProposed answer: {completion}\nIs it right? Answer yes or no.\n")
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        "rewards:\n"
+        f"  - {{name: judge, kwargs: {{backend: engine, template: {template}, yes: yes, no: no}}}}\n"
+        f"  - {{name: judge, kwargs: {{backend: classifier, model: {tiny_reward_model}, score: scalar, "
+        f"template: {template}}}}}\n"
+    )
+    out = tmp_path / "judged.json"
+    argv = ["eval", "--base", str(tiny_model), "--adapter", str(tiny["adapter"]), "--engine", "hf",
+            "--data", str(tiny["data"]), "--out", str(out), "--max-tokens", "4", "--judge", str(job)]  # fmt: skip
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    judges = report["judges"]
+    assert list(judges) == ["judge#0", "judge#1"]
+    assert [j["backend"] for j in judges.values()] == ["engine", "classifier"]
+    assert all(j["num_judged"] == 8 and j["errors"] == j["timeouts"] == 0 for j in judges.values())
+    engine = [s["judge"]["judge#0"] for s in report["samples"]]
+    classifier = [s["judge"]["judge#1"] for s in report["samples"]]
+    assert engine == pytest.approx(classifier, abs=1e-5)
+    assert judges["judge#0"]["mean"] == pytest.approx(sum(engine) / 8)
+    assert judges["judge#0"]["accepted"] == sum(v >= 0.5 for v in engine) / 8
+    assert all(
+        s["correct"] == (s["reward"] >= 0.5) for s in report["samples"]
+    )  # exact match, as without a judge
+    md = out.with_suffix(".md").read_text()
+    assert "| judge judge#0 (engine) | mean" in md and "judge judge#1 |" in md
+    printed = capsys.readouterr().out
+    assert "judge judge#0 (engine): mean" in printed and "judge judge#1 (classifier): mean" in printed

@@ -12,65 +12,22 @@ that size, so it counts the image tokens local evaluation counts, and a request 
 
 from __future__ import annotations
 
-import base64
-import io
 import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
-from urllib.parse import urlsplit
-
-from PIL import Image
 
 from visionrl.data.images import ImageBudget, fit_image, grid_factor
 from visionrl.data.layouts import Layout
 from visionrl.errors import InputError, RunError
+from visionrl.eval.judged import Judges, check_judges_for, judge_step
 from visionrl.eval.report import DEFAULT_REWARDS, EvalSettings
+from visionrl.eval.wire import chat_messages, openai_base_url
 from visionrl.types import Generation, PromptItem
 
 FORBIDDEN_BIAS = -100  # the most negative logit bias the OpenAI API accepts
-
-
-def image_data_url(image: Image.Image) -> str:
-    """`data:image/png;base64,...` of `image` (PNG: lossless, so the server sees the pixels local eval sees)."""
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
-
-
-def chat_messages(messages: Sequence[dict[str, Any]], images: Sequence[Image.Image]) -> list[dict[str, Any]]:
-    """OpenAI chat messages: each `{"type": "image"}` placeholder, in order, becomes the next image as an
-    `image_url` part; text parts and roles are kept. The placeholders must match the images one to one."""
-    out: list[dict[str, Any]] = []
-    used = 0
-    for message in messages:
-        content = message["content"]
-        if isinstance(content, str):
-            out.append({"role": message["role"], "content": content})
-            continue
-        parts = []
-        for part in content:
-            if part.get("type") != "image":
-                parts.append(dict(part))
-                continue
-            if used == len(images):
-                raise ValueError(f"the messages have more image placeholders than the {len(images)} image(s)")
-            parts.append({"type": "image_url", "image_url": {"url": image_data_url(images[used])}})
-            used += 1
-        out.append({"role": message["role"], "content": parts})
-    if used != len(images):
-        raise ValueError(
-            f"the messages have {used} image placeholder(s) but there are {len(images)} image(s)"
-        )
-    return out
-
-
-def openai_base_url(endpoint: str) -> str:
-    """The OpenAI base URL: `endpoint` as given, or with `/v1` added when it names only a host."""
-    endpoint = endpoint.rstrip("/")
-    return endpoint + "/v1" if urlsplit(endpoint).path in ("", "/") else endpoint
 
 
 def _ask(
@@ -169,6 +126,7 @@ def evaluate_endpoint(
     budget: ImageBudget | None = None,
     api_key: str | None = None,
     layout: Layout | None = None,
+    judges: Judges | None = None,
 ) -> dict[str, Any]:
     """Evaluate the model or adapter `model` served at `endpoint` (OpenAI base URL) on `data`; write and
     return the report, in the format of `evaluate_local`.
@@ -177,7 +135,8 @@ def evaluate_endpoint(
     request counts in `num_failed` with its error (see `request_answers`). `base`
     (optional), the served base model's directory, forbids its vision tokens as local evaluation does and
     gives the image grid the images are resized to. `budget` (default: the default budget) must be the one
-    the server was started with (`visionrl serve` takes it from the adapter's manifest).
+    the server was started with (`visionrl serve` takes it from the adapter's manifest). `judges` (`eval
+    --judge`: an endpoint, a judge model or a classifier in this process) score the answers too.
     """
     from visionrl.data.dataset import load_dataset
     from visionrl.data.prompts import prompt_messages
@@ -188,6 +147,7 @@ def evaluate_endpoint(
     if concurrency < 1:
         raise InputError(f"concurrency must be >= 1, got {concurrency}")
     settings = EvalSettings(data, out, tuple(rewards or DEFAULT_REWARDS), max_tokens, seed, ablate_images)
+    check_judges_for(judges or [], local=False)
     forbidden, factor = _base_settings(base) if base else ([], DEFAULT_GRID_FACTOR)
     budget = budget or ImageBudget()
     with settings.reward_fn() as reward_fn:
@@ -216,6 +176,7 @@ def evaluate_endpoint(
             prompts,
             answer,
             reward_fn,
+            judge=judge_step(judges, (layout or Layout()).prompt_key),
             model=f"{model} @ {endpoint}",
             extra={
                 "endpoint": endpoint,

@@ -36,6 +36,7 @@ from visionrl.config import LoraConfig, RolloutConfig
 from visionrl.data.images import ImageBudget
 from visionrl.data.layouts import Layout
 from visionrl.errors import InputError
+from visionrl.eval.judged import Judges, check_judges_for, engine_judge, judge_step
 from visionrl.eval.report import DEFAULT_REWARDS, EvalSettings
 from visionrl.eval.scoring import score_generations
 from visionrl.rewards import CombinedReward
@@ -198,8 +199,11 @@ def evaluate_local(
     seed: int = 0,
     budget: ImageBudget | None = None,
     layout: Layout | None = None,
+    judges: Judges | None = None,
 ) -> dict[str, Any]:
     """Evaluate `base` (+ `adapter`) on `data` with a local engine ("vllm" or "hf"); write and return the report.
+    `judges` (`eval --judge`, `visionrl.eval.judged`) score the answers too: backend engine on this engine with
+    the adapter off, the others after it is closed.
 
     Images are resized into `budget`; without one, into the budget the adapter was trained with (its
     manifest), else the default budget. A prompt the engine rejects is a failed record.
@@ -217,6 +221,7 @@ def evaluate_local(
     if engine not in ENGINES:
         raise InputError(f"unknown engine {engine!r}; use one of {', '.join(ENGINES)}")
     settings = EvalSettings(data, out, tuple(rewards or DEFAULT_REWARDS), max_tokens, seed, ablate_images)
+    check_judges_for(judges or [], local=True)
     check_model_dir(base)
     adapter_dir = _resolve_adapter(adapter) if adapter else None
     adapter_cfg = _read_adapter_config(adapter_dir) if adapter_dir else None
@@ -230,10 +235,18 @@ def evaluate_local(
             if adapter_dir is not None:
                 files = {name: (adapter_dir / name).read_bytes() for name in ADAPTER_FILES}
                 runner.load_adapter(AdapterPayload(version=1, files=files))
+            # judges of backend engine first, on this engine; then it is closed for the others' models
+            judge = judge_step(
+                judges,
+                (layout or Layout()).prompt_key,
+                partial(engine_judge, runner, processor),
+                runner.close,
+            )
             return settings.report(
                 prompts,
                 partial(generate_answers, runner, prompts, max_tokens=max_tokens),
                 reward_fn,
+                judge=judge,
                 model=base if adapter_dir is None else f"{base} + {adapter_dir}",
                 extra={
                     "base": base,

@@ -107,15 +107,19 @@ def render_markdown(report: dict[str, Any]) -> str:
     """A short human-readable twin of the report: headline numbers and the first samples."""
     lines = ["# visionrl evaluation", "", "| metric | value |", "| --- | --- |"]
     lines += [f"| {key} | {_cell(report.get(key), 200)} |" for key in HEADLINE]
+    judges = report.get("judges") or {}
+    for key, j in judges.items():
+        failed = f", {j['errors']} failed, {j['timeouts']} timed out" if j["errors"] or j["timeouts"] else ""
+        what = f"mean {_cell(j['mean'])}, accepted {_cell(j['accepted'])} of {j['num_judged']}{failed}"
+        lines.append(f"| judge {key} ({j['backend']}) | {what} |")
     samples = report.get("samples", [])
     shown = samples[:MARKDOWN_SAMPLES]
     lines += ["", f"## First {len(shown)} of {len(samples)} samples", ""]
-    lines += [
-        "| id | answer | completion | reward | correct | error |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
+    head = ["id", "answer", "completion", "reward", "correct", *(f"judge {k}" for k in judges), "error"]
+    lines += ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in shown:
-        cells = [r["id"], r["answer"], r["completion"], r["reward"], r["correct"], r["error"]]
+        scores = [(r.get("judge") or {}).get(k) for k in judges]
+        cells = [r["id"], r["answer"], r["completion"], r["reward"], r["correct"], *scores, r["error"]]
         lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -137,6 +141,7 @@ def write_report(report: dict[str, Any], out: str | Path) -> None:
 
 
 DEFAULT_REWARDS = ("exact_match",)
+JudgeStep = Callable[[list[PromptItem], list[dict[str, Any]]], dict[str, dict[str, Any]]]
 
 
 @dataclass(frozen=True)
@@ -177,14 +182,19 @@ class EvalSettings:
         *,
         model: str,
         extra: dict[str, Any],
+        judge: JudgeStep | None = None,
     ) -> dict[str, Any]:
         """Call `answer` (one Generation per prompt, in order), score the answers against `prompts`, write
         the report at `out` and return it. Its `duration_s` (and so `tokens_per_s`) is the wall time of
-        answering and scoring; `extra` adds the evaluator's own fields next to rewards, max_tokens and seed."""
+        answering and scoring; `extra` adds the evaluator's own fields next to rewards, max_tokens and seed.
+        `judge(prompts, records)` (`eval --judge`) adds each sample's judge scores and returns the judges'
+        summaries (the report's `judges`), after the timing."""
         started, t0 = time.time(), time.perf_counter()
         records = score_generations(prompts, answer(), reward_fn)
         duration_s = time.perf_counter() - t0
         fields = {**extra, "rewards": list(self.rewards), "max_tokens": self.max_tokens, "seed": self.seed}
+        if judge is not None:
+            fields["judges"] = judge(prompts, records)
         report = summarize(
             records,
             model=model,
