@@ -414,13 +414,19 @@ def test_yes_no_on_off_are_words_and_only_true_false_are_booleans(tmp_path: Path
     # YAML 1.1 (PyYAML's default) reads yes/no/on/off as booleans: a judge's `yes: yes` became {True: True}.
     template = tmp_path / "t.txt"
     template.write_text("{completion} right? yes or no")
-    judge = f"  - name: judge\n    kwargs: {{backend: engine, template: {template}, yes: [yes, Yes], no: No}}\n"
+    judge = (
+        f"  - name: judge\n    kwargs: {{backend: engine, template: {template}, yes: [yes, Yes], no: No}}\n"
+    )
     path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump({k: v for k, v in MINIMAL.items() if k != "rewards"}) + "rewards:\n" + judge)
+    path.write_text(
+        yaml.safe_dump({k: v for k, v in MINIMAL.items() if k != "rewards"}) + "rewards:\n" + judge
+    )
     kwargs = load_config(path).rewards[0].kwargs
     assert (kwargs["yes"], kwargs["no"]) == (["yes", "Yes"], "No")
     assert load_config(path, ["lora.train_merger=true"]).lora.train_merger is True
-    assert load_config(path, ["lora.train_merger=on"]).lora.train_merger is True  # the schema still reads "on"
+    assert (
+        load_config(path, ["lora.train_merger=on"]).lora.train_merger is True
+    )  # the schema still reads "on"
     assert apply_overrides({}, ["a=yes", "b=true", "c=OFF"]) == {"a": "yes", "b": True, "c": "OFF"}
 
 

@@ -27,6 +27,7 @@ from visionrl.adapter.storage import filesystem
 from visionrl.cli import main
 from visionrl.errors import ExportError
 from visionrl.eval.endpoint import evaluate_endpoint
+from visionrl.eval.judged import parse_judges
 from visionrl.eval.local import evaluate_local
 from visionrl.serve.adapters import list_models, load_adapter, unload_adapter
 from visionrl.serve.process import ServerError, ServerHandle, free_port
@@ -132,6 +133,32 @@ def _answers(report: dict[str, Any]) -> list[tuple[str, str]]:
     return [(s["id"], (s["completion"] or "").strip()) for s in report["samples"]]
 
 
+def _judge_template_and_words(model: Path, tmp_path: Path) -> tuple[Path, str]:
+    """A judge template, and as its yes and no words the base model's two likeliest first tokens for one answer
+    (a random tiny model says neither "yes" nor "no"; the words must be among the server's top log-probs)."""
+    import torch
+    from PIL import Image
+
+    from visionrl.data.prompts import user_prompt
+    from visionrl.models.loader import load_base_model, load_processor
+
+    text = "{question}\nProposed answer: {completion}\nIs it right? Answer yes or no."
+    template = tmp_path / "judge.txt"
+    template.write_text(text + "\n")
+    processor = load_processor(model)
+    prompt = user_prompt(processor, text.format(question="What color is the shape?", completion="red"),
+                         [Image.new("RGB", (64, 64), (200, 30, 30))])  # fmt: skip
+    with torch.no_grad():
+        enc = processor(text=[prompt.text], images=prompt.images, return_tensors="pt")
+        top = load_base_model(model)(**enc).logits[0, -1].topk(2).indices
+    first, second = (json.dumps(processor.tokenizer.decode([int(i)])) for i in top)
+    return template, f"yes: [{first}], no: [{second}]"
+
+
+def _judged(report: dict[str, Any]) -> list[float | None]:
+    return [s["judge"]["judge"] for s in report["samples"]]
+
+
 def test_served_answers_equal_local_vllm_answers(
     server: ServerHandle,
     a2_copy: Path,
@@ -139,6 +166,7 @@ def test_served_answers_equal_local_vllm_answers(
     tiny_model: Path,
     color_data: Path,
     tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     data = str(color_data / "eval.jsonl")
     common = {"data": data, "max_samples": NUM_SAMPLES, "max_tokens": MAX_TOKENS}
@@ -161,15 +189,24 @@ def test_served_answers_equal_local_vllm_answers(
             **common,
         ),  # fmt: skip
     }
-    # a2 through the command line, as a user would.
+    # a2 through the command line, as a user would, its answers judged by the served base model too (--judge).
+    template, words = _judge_template_and_words(tiny_model, tmp_path)
+    judge = (f"{{backend: endpoint, base_url: '{server.base_url}', model: '{tiny_model}', template: {template}, "
+             f"api_key_env: JUDGE_TEST_KEY, {words}}}")  # fmt: skip
+    monkeypatch.setenv("JUDGE_TEST_KEY", KEY)
     argv = ["eval", "--endpoint", server.base_url, "--model", "a2", "--base", str(tiny_model), "--data", data,
             "--out", str(tmp_path / "a2.json"), "--max-samples", str(NUM_SAMPLES), "--max-tokens", str(MAX_TOKENS)]  # fmt: skip
-    assert main([*argv, "--api-key", KEY]) == 0
+    assert main([*argv, "--api-key", KEY, "--judge", judge]) == 0
     served["a2"] = json.loads((tmp_path / "a2.json").read_text())
 
+    local_judge = parse_judges(f"{{backend: engine, template: {template}, {words}}}")
     for name, adapter in (("a1", str(exports["a1"])), ("a2", str(a2_copy))):
         local = evaluate_local(base=str(tiny_model), adapter=adapter, out=str(tmp_path / f"local-{name}.json"),
-                               engine="vllm", **common)  # fmt: skip
+                               engine="vllm", judges=local_judge if name == "a2" else None, **common)  # fmt: skip
+        if name == "a2":  # the served base model judged as the local engine's base did (its adapter off)
+            assert served["a2"]["judges"]["judge"]["num_judged"] == NUM_SAMPLES
+            assert _judged(served["a2"]) == pytest.approx(_judged(local), abs=2e-3)
+            assert len(set(_judged(local))) > 1  # the scores depend on the answer and the image
         report = served[name]
         assert report["num_samples"] == NUM_SAMPLES and report["num_failed"] == 0
         assert abs(report["accuracy"] - local["accuracy"]) <= 0.02, name
