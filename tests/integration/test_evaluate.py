@@ -262,3 +262,26 @@ def test_eval_judge_scores_beside_exact_match(
     assert "| judge judge#0 (engine) | mean" in md and "judge judge#1 |" in md
     printed = capsys.readouterr().out
     assert "judge judge#0 (engine): mean" in printed and "judge judge#1 (classifier): mean" in printed
+
+
+def test_eval_with_a_judge_that_fails_everywhere_exits_1_with_its_error(
+    tiny: dict[str, Path], tmp_path: Path, capsys
+) -> None:
+    """A judge endpoint nobody listens on: every judgement fails (counted, None), the report is still written, and
+    `eval` exits 1 naming the judge's error, not 0 with a mean of nothing."""
+    from visionrl.cli import main
+    from visionrl.serve.process import free_port
+
+    template = tmp_path / "t.txt"
+    template.write_text("{question} {completion} yes or no")
+    judge = (f"{{backend: endpoint, base_url: 'http://127.0.0.1:{free_port()}/v1', model: j, template: {template}, "
+             "retries: 0, timeout_s: 5}")  # fmt: skip
+    out = tmp_path / "r.json"
+    argv = ["eval", "--base", str(tiny["model"]), "--engine", "hf", "--data", str(tiny["data"]), "--out", str(out),
+            "--max-samples", "3", "--max-tokens", "2", "--judge", judge]  # fmt: skip
+    assert main(argv) == 1
+    report = json.loads(out.read_text())
+    assert report["judges"]["judge"]["errors"] == 3 and report["judges"]["judge"]["mean"] is None
+    assert [s["judge"]["judge"] for s in report["samples"]] == [None] * 3
+    err = capsys.readouterr().err
+    assert "error: judge judge: the judge endpoint failed: APIConnectionError" in err
