@@ -280,13 +280,15 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     return manifest
 
 
-def latest_checkpoint(output_dir: str | os.PathLike[str]) -> Path | None:
-    """The newest complete, undamaged checkpoint of a run, or None.
+def latest_checkpoint(output_dir: str | os.PathLike[str], at_most: int | None = None) -> Path | None:
+    """The newest complete, undamaged checkpoint of a run (of a step <= `at_most` when given), or None.
 
     Incomplete or damaged ones are skipped with a warning naming them (falling back to older ones);
     temporary directories of interrupted saves are never considered.
     """
-    for _, path in _step_dirs(Path(output_dir) / CHECKPOINTS_DIR):
+    for step, path in _step_dirs(Path(output_dir) / CHECKPOINTS_DIR):
+        if at_most is not None and step > at_most:
+            continue
         try:
             verify_checkpoint(path)
         except CheckpointError as err:
@@ -294,6 +296,14 @@ def latest_checkpoint(output_dir: str | os.PathLike[str]) -> Path | None:
             continue
         return path
     return None
+
+
+def checkpoint_step(path: str | os.PathLike[str]) -> int:
+    """The step of a `step_N` checkpoint directory."""
+    match = _STEP_RE.match(Path(path).name)
+    if match is None:
+        raise CheckpointError(f"{path} is not a step_N checkpoint directory")
+    return int(match.group(1))
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:

@@ -1,8 +1,9 @@
 """`history.jsonl` of a run: one JSON line of metrics per step, appended (and fsynced) as each step ends.
 
-A run killed in the middle of an append leaves a torn last line. On resume that line is dropped and reported
-(the step it belonged to runs again), instead of every later `--resume` failing on it; a damaged line before
-the last one was not written by an append that got killed, so it is an error naming the line.
+A run killed in the middle of an append leaves a torn last line. On resume that line is dropped and reported,
+instead of every later `--resume` failing on it, and the run continues from a checkpoint no newer than the last
+step recorded (`orchestrate.resume`), so the lost step runs again and no step is missing from the file; a damaged
+line before the last one was not written by an append that got killed, so it is an error naming the line.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ def append(path: Path, record: dict[str, Any]) -> None:
         raise storage_error(err, path, len(line), kept=f"{path} holds every step before this one.") from None
 
 
-def _parse(path: Path, text: str) -> list[tuple[str, dict[str, Any]]]:
-    """(line, record) of every complete line; a torn last line is dropped with a warning."""
+def _parse(path: Path, text: str, warn: bool = True) -> list[tuple[str, dict[str, Any]]]:
+    """(line, record) of every complete line; a torn last line is dropped (with a warning if `warn`)."""
     lines = text.split("\n")
     out = []
     for number, line in enumerate(lines, start=1):
@@ -44,12 +45,13 @@ def _parse(path: Path, text: str) -> list[tuple[str, dict[str, Any]]]:
                     f"{path}, line {number}: not a step record ({err}); the file was edited or damaged. Fix or "
                     "delete that line (the metrics in TensorBoard are unaffected), then resume"
                 ) from None
-            logger.warning(
-                "%s: dropped its torn last line %d (%d bytes, a run killed while writing it); that step runs again",
-                path,
-                number,
-                len(line.encode()),
-            )
+            if warn:
+                logger.warning(
+                    "%s: dropped its torn last line %d (%d bytes, a run killed while writing it)",
+                    path,
+                    number,
+                    len(line.encode()),
+                )
             continue
         out.append((line, record))
     return out
@@ -68,5 +70,14 @@ def trim(path: Path, last_step: int) -> list[dict[str, Any]]:
 
 
 def read(path: Path) -> list[dict[str, Any]]:
-    """Every complete record of a history file (a torn last line is left out)."""
-    return [r for _, r in _parse(path, path.read_text())] if path.exists() else []
+    """Every complete record of a history file (a torn last line is left out, without a warning)."""
+    return [r for _, r in _parse(path, path.read_text(), warn=False)] if path.exists() else []
+
+
+def recorded_through(path: Path) -> int:
+    """The last step S such that steps 1..S all have a complete record (0 when step 1 has none)."""
+    steps = {r["step"] for r in read(path)}
+    last = 0
+    while last + 1 in steps:
+        last += 1
+    return last

@@ -56,6 +56,29 @@ def test_modes_without_and_with_checkpoints(tmp_path: Path) -> None:
         checkpoint_to_resume(cfg, run, False)
 
 
+def test_a_step_missing_from_the_history_runs_again(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """history.jsonl without step 4's record (a torn last line) beside a checkpoint of step 4: the run continues
+    from step 2's checkpoint, so steps 3 and 4 run again and every step has its record."""
+    cfg = _cfg(tmp_path / "run")
+    run = RunDir.of(cfg.output_dir)
+    older, newest = _save(cfg, 2), _save(cfg, 4)
+    lines = [f'{{"step": {i}, "reward/mean": 0.5}}' for i in (1, 2, 3)]
+    run.history.write_text("\n".join(lines) + '\n{"step": 4, "rew')
+    with caplog.at_level(logging.WARNING):
+        assert checkpoint_to_resume(cfg, run, True) == older
+    assert (
+        "has no record of step(s) 4-4 (newest checkpoint: step 4); continuing from the checkpoint of step 2"
+        in (caplog.text)
+    )
+    run.history.write_text("\n".join([*lines, '{"step": 4, "reward/mean": 0.5}']) + "\n")
+    assert checkpoint_to_resume(cfg, run, True) == newest  # every step recorded: the newest
+    run.history.write_text(lines[0] + "\n")  # steps 2-4 unrecorded, no checkpoint at or before step 1
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert checkpoint_to_resume(cfg, run, True) == newest
+    assert "no checkpoint precedes them; continuing from step 4" in caplog.text
+
+
 def test_a_change_of_the_adapter_shape_is_refused_with_both_values(tmp_path: Path) -> None:
     cfg = _cfg(tmp_path / "run")
     path = _save(cfg, 3)

@@ -15,7 +15,8 @@ from typing import Any, Literal
 
 import yaml
 
-from visionrl.checkpoint import MANIFEST, latest_checkpoint
+from visionrl import history
+from visionrl.checkpoint import MANIFEST, checkpoint_step, latest_checkpoint
 from visionrl.config import JobConfig
 from visionrl.errors import InputError
 from visionrl.run_layout import STEP_PREFIX, RunDir
@@ -54,8 +55,30 @@ def checkpoint_to_resume(cfg: JobConfig, run: RunDir, mode: ResumeMode) -> Path 
         how = "auto: starting fresh" if mode == "auto" else "starting from step 0"
         logger.warning("resume %s: no complete checkpoint in %s", how, run.checkpoints)
         return None
+    path = _with_every_step_recorded(run, path)
     check_changes(cfg, path, saved_config(path, run))
     return path
+
+
+def _with_every_step_recorded(run: RunDir, path: Path) -> Path:
+    """`path`, or an older checkpoint when history.jsonl lacks records up to `path`'s step (a torn or lost line):
+    the newest at or before the last recorded step, so the unrecorded steps run again and are logged."""
+    step, recorded = checkpoint_step(path), history.recorded_through(run.history)
+    if recorded >= step or not run.history.is_file():
+        return path
+    older = latest_checkpoint(run.root, at_most=recorded)
+    if older is None:
+        logger.warning(
+            "%s has no record of step(s) %d-%d and no checkpoint precedes them; continuing from step %d, so their "
+            "metrics stay only in TensorBoard", run.history, recorded + 1, step, step,
+        )  # fmt: skip
+        return path
+    logger.warning(
+        "%s has no record of step(s) %d-%d (newest checkpoint: step %d); continuing from the checkpoint of step %d, "
+        "so steps %d-%d run again and are recorded", run.history, recorded + 1, step, step,
+        checkpoint_step(older), checkpoint_step(older) + 1, step,
+    )  # fmt: skip
+    return older
 
 
 def saved_config(path: Path, run: RunDir) -> dict[str, Any] | None:
