@@ -190,3 +190,100 @@ def test_the_architecture_floors_are_the_import_graph_floors() -> None:
     layers = [(floor, sorted(e.removeprefix("visionrl.") for e in entries if e != "visionrl"))
               for floor, entries in _layers()]  # fmt: skip
     assert documented == layers
+
+
+# --------------------------------------------------------------------------- command lines in the docs
+
+_FENCE = re.compile(r"```[^\n]*\n(.*?)```", re.S)
+_SPAN = re.compile(r"`([^`\n]+)`")
+_COMMAND = re.compile(r"(?:^|[\s(\"'])(?:\.venv/bin/)?visionrl (?=[a-z])")
+_SHELL_END = ("&", "|", ";", ">", ")", "2>")
+
+
+def _cut(line: str, match: re.Match[str]) -> list[str]:
+    """The words of the command line `match` starts, up to where the shell ends it (`&`, `|`, `;`, a redirection,
+    or the `)` of a `$(visionrl ...)`)."""
+    import shlex
+
+    rest = line[match.end() :]
+    if match.group().lstrip().startswith("("):  # $(visionrl fetch URL)
+        rest = rest.split(")", 1)[0]
+    words = []
+    for word in shlex.split(rest, comments=True):
+        if word.startswith(_SHELL_END):
+            break
+        words.append(word)
+    return words
+
+
+def visionrl_commands(markdown: str) -> list[tuple[list[str], bool]]:
+    """(words after `visionrl`, complete) of each command line: those of the fenced blocks (continuation lines
+    joined) are complete, to be copied as written; those of inline code spans name a subcommand and some of its
+    flags (an inline span with `...` or `|` is a sketch or a list of subcommands and is left out)."""
+    found = []
+    for block in _FENCE.findall(markdown):
+        for line in block.replace("\\\n", " ").splitlines():
+            found += [(_cut(line, m), True) for m in _COMMAND.finditer(line)]
+    for span in _SPAN.findall(_FENCE.sub("", markdown)):
+        if "..." not in span and "|" not in span:
+            found += [(_cut(span, m), False) for m in _COMMAND.finditer(span)]
+    return found
+
+
+def command_error(words: list[str], complete: bool) -> str | None:
+    """None when visionrl's own parser takes `words`: in full (subcommand, flags, values, required arguments) for a
+    complete line; the subcommand and the flags named for an inline mention. Else what is wrong."""
+    import argparse
+    import contextlib
+    import io
+
+    from visionrl.cli import build_parser
+
+    parser = build_parser()
+    if complete:
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err):
+                parser.parse_args(words)
+        except SystemExit:
+            return err.getvalue().strip().splitlines()[-1]
+        return None
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if words[0] not in sub.choices:
+        return f"no subcommand {words[0]!r}"
+    unknown = [w.split("=")[0] for w in words[1:] if w.startswith("--")]
+    unknown = [w for w in unknown if w not in sub.choices[words[0]]._option_string_actions]
+    return f"{words[0]} has no {unknown}" if unknown else None
+
+
+def test_the_command_check_finds_a_wrong_flag_and_a_literal_option_bracket() -> None:
+    text = "```bash\nvisionrl eval --data d --out o \\\n  --wrong 1\nvisionrl eval --data d --out o [--ablate-images] &\n"
+    text += 'curl -d "$(visionrl fetch s3://b/x)"\n```\n'
+    text += "Then `visionrl validate job.yaml --check-data`, `visionrl eval --judge`, `visionrl train | eval ...`, "
+    text += "`visionrl serve --no-such-flag`.\n"
+    commands = visionrl_commands(text)
+    assert commands == [
+        (["eval", "--data", "d", "--out", "o", "--wrong", "1"], True),
+        (["eval", "--data", "d", "--out", "o", "[--ablate-images]"], True),
+        (["fetch", "s3://b/x"], True),
+        (["validate", "job.yaml", "--check-data"], False),
+        (["eval", "--judge"], False),
+        (["serve", "--no-such-flag"], False),
+    ]
+    errors = [command_error(*c) for c in commands]
+    assert "unrecognized arguments: --wrong 1" in str(errors[0])
+    assert "unrecognized arguments: [--ablate-images]" in str(errors[1])
+    assert errors[2:5] == [None, None, None]
+    assert errors[5] == "serve has no ['--no-such-flag']"
+
+
+@pytest.mark.parametrize(
+    "doc", [README, ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))], ids=lambda p: p.name
+)
+def test_every_visionrl_command_line_in_the_docs_parses(doc: Path) -> None:
+    """A user copies these lines as written: each subcommand and flag must exist and each value be one it takes."""
+    errors = {
+        " ".join(words): command_error(words, complete)
+        for words, complete in visionrl_commands(doc.read_text())
+    }
+    assert {c: e for c, e in errors.items() if e is not None} == {}

@@ -191,10 +191,10 @@ def test_each_loss_kind_trains_three_steps_through_the_loop(
         assert 0.5 < h["rollout/correction_weight_mean"] <= 2.0  # on by default
         assert h["rollout/logprob_diff"] < 1e-3  # the engine sampled the policy being trained
     clipped = [h["policy/clip_fraction"] for h in history]
-    kl = [h["policy/approx_kl"] for h in history]
-    if loss == "ppo":  # one on-policy update per batch: ratio exactly 1
-        assert clipped == [0.0] * 3 and kl == [0.0] * 3, (clipped, kl)
+    if loss == "ppo":  # one on-policy update per batch: ratio exactly 1, so no approx_kl curve of zeros
+        assert clipped == [0.0] * 3 and not any("policy/approx_kl" in h for h in history), clipped
     else:  # the second mini-batch is scored against the log-probs before the first update
+        kl = [h["policy/approx_kl"] for h in history]
         assert all(k != 0.0 for k in kl), kl
     if loss == "gspo":
         assert any(c > 0.0 for c in clipped), clipped  # sequence ratios outside [1 - 3e-4, 1 + 4e-4]

@@ -91,7 +91,6 @@ def step_metrics(
         if "/" in k:  # the learner's tags (metrics.py); plain keys are its internal counters
             m[k] = float(v)
     m.setdefault(tags.LOSS_POLICY, 0.0)
-    m.setdefault(tags.LOSS_KL, 0.0)
     m.setdefault(tags.SKIPPED_UPDATES, 0.0)
     return m
 

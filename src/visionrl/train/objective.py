@@ -33,10 +33,20 @@ class MicroBatchLoss:
 NO_PEAKS = torch.full((2,), float("-inf"))  # the ratio peaks of a micro-batch without tokens
 
 
+def policy_can_move(algo: AlgorithmConfig) -> bool:
+    """Whether the old policy can differ from the one trained: several updates per batch, or the engine's sampling
+    log-probs as the old policy. Otherwise every ratio is 1 and `policy/approx_kl` is 0 by construction."""
+    return algo.updates_per_batch > 1 or algo.old_logprobs == "engine"
+
+
 def metric_keys(algo: AlgorithmConfig) -> list[str]:
     """What the learner sums over micro-batches and ranks: the loss terms, the per-token means, the count of
     micro-batches."""
-    keys = [tags.LOSS_POLICY, tags.LOSS_KL, tags.LOSS_TOTAL, tags.CLIP_FRACTION, tags.APPROX_KL, tags.ENTROPY]
+    keys = [tags.LOSS_POLICY, tags.LOSS_TOTAL, tags.CLIP_FRACTION, tags.ENTROPY]
+    if algo.kl_coef > 0:  # a KL term: without one, loss/kl would be drawn as a flat zero
+        keys.append(tags.LOSS_KL)
+    if policy_can_move(algo):
+        keys.append(tags.APPROX_KL)
     keys += [tags.CLIP_FRACTION_LOW, tags.CLIP_FRACTION_HIGH]
     keys += [tags.LOGPROB_DIFF, tags.LEARNER_MICRO_BATCHES, tags.LEARNER_FILLER_PASSES]
     if algo.rollout_correction != "off":
@@ -77,10 +87,10 @@ def micro_batch_loss(
         tau_neg=algo.tau_neg,
         **norms,
     )
-    total, kl = loss, torch.zeros((), device=lp.device)
+    total, terms = loss, {tags.LOSS_POLICY: loss.detach()}
     if ref_lp is not None:
         kl = aggregate(kl_penalty(lp, ref_lp, algo.kl_kind), mask, algo.loss_aggregation, **norms)
-        total = total + algo.kl_coef * kl
+        total, terms[tags.LOSS_KL] = total + algo.kl_coef * kl, kl.detach()
     if algo.entropy_coef > 0:  # the entropy bonus; otherwise entropy is only reported
         total = total - algo.entropy_coef * aggregate(entropy, mask, algo.loss_aggregation, **norms)
     with torch.no_grad():
@@ -89,7 +99,6 @@ def micro_batch_loss(
             tags.CLIP_FRACTION: pm["clip_fraction"],
             tags.CLIP_FRACTION_LOW: pm["clip_fraction_low"],
             tags.CLIP_FRACTION_HIGH: pm["clip_fraction_high"],
-            tags.APPROX_KL: pm["approx_kl"],
             tags.ENTROPY: masked_mean(entropy.detach(), mask),
             tags.LOGPROB_DIFF: masked_mean((lp.detach() - sampling_lp).abs(), mask),
         }
@@ -97,7 +106,9 @@ def micro_batch_loss(
         peaks = torch.where(
             mask.any(), torch.stack([pm["ratio_max"], -pm["ratio_min"]]).float(), NO_PEAKS.to(lp.device)
         )
-    return MicroBatchLoss(total, {tags.LOSS_POLICY: loss.detach(), tags.LOSS_KL: kl.detach()}, means, peaks)
+        if policy_can_move(algo):
+            means[tags.APPROX_KL] = pm["approx_kl"]
+    return MicroBatchLoss(total, terms, means, peaks)
 
 
 def _correction(
