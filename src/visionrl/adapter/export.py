@@ -23,7 +23,7 @@ from visionrl.adapter.files import (
 )
 from visionrl.adapter.manifest import build_manifest, first_bad_file, join, write_manifest
 from visionrl.adapter.resolve import resolve_adapter
-from visionrl.adapter.storage import filesystem, is_local
+from visionrl.adapter.storage import filesystem, is_local, object_store_errors, require_bucket
 from visionrl.errors import ExportError, storage_error, storage_errors
 from visionrl.finite import describe, nonfinite_in_file
 from visionrl.run_layout import RUN_CONFIG, RunDir
@@ -117,7 +117,16 @@ def export_adapter(
             + "\nchange that and retrain, or export anyway with allow_unservable=True"
         )
 
+    with object_store_errors(dest, "exporting to"):
+        return _write_export(manifest, adapter_dir, dest, overwrite)
+
+
+def _write_export(
+    manifest: dict[str, Any], adapter_dir: Path, dest: str | os.PathLike[str], overwrite: bool
+) -> dict[str, Any]:
+    """Upload the adapter's files to `dest`, read them back, then write the manifest (export_adapter's order)."""
     fs, root = filesystem(dest)
+    require_bucket(fs, os.fspath(dest))
     in_place = is_local(fs) and Path(root).resolve() == adapter_dir.resolve()
     if not overwrite and not in_place:
         _refuse_foreign_files(fs, root, set(manifest["files"]), os.fspath(dest))

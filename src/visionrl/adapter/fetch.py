@@ -18,7 +18,7 @@ import fsspec
 from visionrl.adapter.files import MANIFEST_NAME
 from visionrl.adapter.manifest import join, read_manifest
 from visionrl.adapter.resolve import export_folder
-from visionrl.adapter.storage import filesystem, is_local
+from visionrl.adapter.storage import filesystem, is_local, object_store_errors, require_bucket
 from visionrl.errors import ExportError
 from visionrl.files import sha256_file, sha256_stream
 
@@ -81,8 +81,14 @@ def fetch_adapter(src: str | os.PathLike[str], cache_dir: str | os.PathLike[str]
     it is always what the manifest describes (a later change at `src` without a new manifest is refused
     by the next fresh fetch, and a re-export gets a new cache folder).
     """
-    src_text = os.fspath(src)
+    with object_store_errors(src, "fetching the adapter from"):
+        return _fetch(os.fspath(src), cache_dir)
+
+
+def _fetch(src_text: str, cache_dir: str | os.PathLike[str] | None) -> Path:
+    """`fetch_adapter`'s body: the manifest read, then every file downloaded and verified into the cache."""
     fs, root = filesystem(src_text)
+    require_bucket(fs, src_text)
     if is_local(fs):  # a local path by the one rule: an export folder, or a run directory's final adapter
         root = str(export_folder(root))
     manifest, raw = read_manifest(fs, root, src_text)

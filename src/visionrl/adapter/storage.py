@@ -12,6 +12,8 @@ to the first endpoint.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import fsspec
@@ -66,3 +68,71 @@ def is_local(fs: fsspec.AbstractFileSystem) -> bool:
     """Whether `fs` is the local disk (where a path can be handed to another process as is)."""
     protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
     return "file" in protocols
+
+
+def is_s3(url: str | os.PathLike[str]) -> bool:
+    text = os.fspath(url)
+    return "://" in text and text.split("://", 1)[0].lower() in S3_PROTOCOLS
+
+
+class ObjectStoreError(InputError):
+    """The object store could not be used: the endpoint does not answer, no credentials, access denied, no such
+    bucket. The message names the URL, the endpoint and what to check."""
+
+
+def _where(url: str) -> str:
+    endpoint = s3_endpoint_url()
+    return (
+        f"{url} (endpoint {endpoint}, from {'/'.join(ENDPOINT_VARIABLES)})" if endpoint else f"{url} (AWS S3)"
+    )
+
+
+@contextmanager
+def object_store_errors(url: str | os.PathLike[str], doing: str) -> Iterator[None]:
+    """Turn what botocore and s3fs raise inside for an S3 `url` into an ObjectStoreError saying what failed while
+    `doing` (e.g. "exporting to") and what to check. Local paths and other errors pass through unchanged."""
+    text = os.fspath(url)
+    if not is_s3(text):
+        yield
+        return
+    import botocore.exceptions as bx
+
+    try:
+        yield
+    except (bx.EndpointConnectionError, bx.ConnectTimeoutError, bx.ReadTimeoutError) as err:
+        raise ObjectStoreError(
+            f"{doing} {_where(text)}: the endpoint did not answer ({err}). Check the endpoint variable (unset for "
+            "AWS itself), that the server runs, and the network"
+        ) from None
+    except (bx.NoCredentialsError, bx.PartialCredentialsError) as err:
+        raise ObjectStoreError(
+            f"{doing} {_where(text)}: no AWS credentials ({err}). Set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+            "a profile (AWS_PROFILE), or run where an instance or pod role provides them"
+        ) from None
+    except PermissionError as err:  # s3fs's AccessDenied, InvalidAccessKeyId, SignatureDoesNotMatch
+        import botocore.session
+
+        unsigned = botocore.session.get_session().get_credentials() is None
+        why = " No AWS credentials were found, so the requests went unsigned." if unsigned else ""
+        raise ObjectStoreError(
+            f"{doing} {_where(text)}: access denied ({err}).{why} Check the credentials (AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY, AWS_PROFILE, a role) and that they may list the bucket and read or write "
+            "objects under the prefix"
+        ) from None
+    except bx.BotoCoreError as err:
+        raise ObjectStoreError(f"{doing} {_where(text)}: {type(err).__name__}: {err}") from None
+
+
+def require_bucket(fs: fsspec.AbstractFileSystem, url: str) -> None:
+    """Raise ObjectStoreError when the bucket of S3 `url` does not exist: writing would create it (s3fs's
+    makedirs), in whatever region and with whatever policy the credentials give, which nobody asked for."""
+    if not is_s3(url):
+        return
+    bucket = url.split("://", 1)[1].split("/", 1)[0]
+    try:
+        fs.info(bucket)  # not fs.exists: that answers False for an endpoint that does not answer
+    except FileNotFoundError:
+        raise ObjectStoreError(
+            f"bucket {bucket!r} of {_where(url)} does not exist, or these credentials cannot see it; create it "
+            f"first (aws s3 mb s3://{bucket}) or check the name"
+        ) from None
