@@ -64,7 +64,7 @@ class SharedRay:
 
         import ray
 
-        from visionrl.orchestrate.actors import _descendants
+        from visionrl.orchestrate.ray_session import _descendants
 
         assert not ray.is_initialized(), "a Ray this fixture did not start is running"
         # a short path of its own: Ray's Unix sockets live under it, and paths over ~107 bytes fail
@@ -99,7 +99,7 @@ class SharedRay:
 
         import ray
 
-        from visionrl.orchestrate.actors import RAY_EXIT_WAIT_S, _descendants, _wait_gone
+        from visionrl.orchestrate.ray_session import RAY_EXIT_WAIT_S, _descendants, _wait_gone
 
         started = _descendants() - self._before
         ray.shutdown()

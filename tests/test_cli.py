@@ -62,7 +62,7 @@ def test_console_script_help() -> None:
 
 # Every subcommand, in the order `visionrl --help` lists them, and the arguments its --help must show.
 SUBCOMMAND_OPTIONS = {
-    "train": ["config", "overrides", "--resume"],
+    "train": ["config", "overrides", "--resume", "--verbose"],
     "validate": ["config", "--schema", "--check-data"],
     "eval": ["--data", "--out", "--base", "--adapter", "--engine", "--endpoint", "--model", "--concurrency",
              "--timeout", "--max-failed-fraction", "--api-key", "--ablate-images", "--max-samples",

@@ -41,7 +41,7 @@ LAYERS: Floors = [
     ("engines and learner", ("visionrl.rollout", "visionrl.train")),
     ("evaluation and serving", ("visionrl.eval", "visionrl.serve", "visionrl.judge")),
     ("orchestration", ("visionrl.orchestrate",)),
-    ("entry points", ("visionrl.cli", "visionrl.demo")),
+    ("entry points", ("visionrl.cli", "visionrl.cli_args", "visionrl.demo")),
 ]  # fmt: skip
 
 

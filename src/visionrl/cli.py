@@ -8,9 +8,21 @@ signal ended `train` after checkpointing the last completed step.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+from visionrl.cli_args import (
+    eval_args,
+    export_args,
+    fetch_args,
+    init_tiny_model_args,
+    make_data_args,
+    serve_args,
+    train_args,
+    validate_args,
+)
 
 if TYPE_CHECKING:
     from visionrl.data.images import ImageBudget
@@ -84,6 +96,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from visionrl.config import load_config
 
     cfg = load_config(args.config, args.overrides)
+    if args.verbose:
+        from visionrl.orchestrate.console import VERBOSE_ENV
+
+        os.environ[VERBOSE_ENV] = "1"
     from visionrl.orchestrate.loop import train
 
     result = train(cfg, resume=args.resume)  # None: the job file's `resume`
@@ -213,256 +229,47 @@ class _UsageError(Exception):
     pass
 
 
-def _resume_mode(value: str) -> str:
-    if value != "auto":
-        raise argparse.ArgumentTypeError(f"expected `--resume` alone or `--resume auto`, got {value!r}")
-    return value
-
-
 def _usage(msg: str) -> _UsageError:
     return _UsageError(msg)
-
-
-def _train_args(sp: argparse.ArgumentParser) -> None:
-    sp.add_argument("config", help="job file (YAML), e.g. configs/demo.yaml")
-    sp.add_argument(
-        "overrides", nargs="*", help="key=value overrides, e.g. train.steps=10 rollout.temperature=0.8"
-    )
-    sp.add_argument(
-        "--resume",
-        nargs="?",
-        const=True,
-        default=None,
-        type=_resume_mode,
-        metavar="auto",
-        help="continue from the newest complete checkpoint in output_dir; `--resume auto` starts fresh when there "
-        "is none (for jobs a scheduler re-runs). Default: the job file's `resume`",
-    )
-
-
-def _validate_args(sp: argparse.ArgumentParser) -> None:
-    sp.add_argument("config", nargs="?", help="job file (YAML)")
-    sp.add_argument("overrides", nargs="*", help="key=value overrides")
-    sp.add_argument("--schema", action="store_true", help="print the JSON schema of job files")
-    sp.add_argument(
-        "--check-data",
-        action="store_true",
-        help="also load data.train and data.eval (every record and image checked, as training does)",
-    )
-
-
-def _eval_args(sp: argparse.ArgumentParser) -> None:
-    sp.add_argument("--data", required=True, help="evaluation data (JSONL or Parquet)")
-    sp.add_argument(
-        "--out", required=True, help="where to write the JSON report (a Markdown twin is written too)"
-    )
-    sp.add_argument(
-        "--base",
-        help="local evaluation: base model directory (with --endpoint: optional, "
-        "forbids its vision tokens as local evaluation does)",
-    )
-    sp.add_argument("--adapter", help="local evaluation: adapter directory (omit for the base model)")
-    sp.add_argument("--engine", choices=["vllm", "hf"], default="vllm", help="local evaluation engine")
-    _served_eval_args(sp)
-    sp.add_argument(
-        "--ablate-images", action="store_true", help="permute images across samples (does it look?)"
-    )
-    sp.add_argument("--max-samples", type=int, default=None, help="evaluate at most this many records")
-    sp.add_argument("--max-tokens", type=int, default=32, help="maximum new tokens per answer")
-    sp.add_argument(
-        "--reward",
-        action="append",
-        default=None,
-        help="scoring reward (default exact_match; repeatable, e.g. numeric)",
-    )
-    sp.add_argument("--seed", type=int, default=0, help="seed (image permutation)")
-    sp.add_argument(
-        "--judge",
-        metavar="SPEC",
-        help="also score the answers with a judge: a job file (its judge rewards), a YAML file of a judge entry, "
-        "or an inline mapping, e.g. '{backend: endpoint, base_url: URL, model: NAME, template: FILE}' (README, Rewards)",
-    )
-    sp.add_argument(
-        "--min-pixels",
-        type=int,
-        help="image budget (data.min_pixels); default: the adapter's manifest (local), else 1024",
-    )
-    sp.add_argument(
-        "--max-pixels",
-        type=int,
-        help="image budget (data.max_pixels); default: the adapter's manifest (local), else 1048576; "
-        "with --endpoint: the budget the server was started with",
-    )
-    sp.add_argument(
-        "--max-images-per-prompt", type=int, help="image budget (data.max_images_per_prompt), default 4"
-    )
-    for key, default in (("prompt", "prompt"), ("image", "images"), ("answer", "answer")):
-        sp.add_argument(
-            f"--{key}-key",
-            default=default,
-            help=f"field of a record holding its {key} (data.{key}_key of a job)",
-        )
-
-
-def _served_eval_args(sp: argparse.ArgumentParser) -> None:
-    """The options of `eval --endpoint` alone."""
-    sp.add_argument(
-        "--endpoint", help="served evaluation: OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1"
-    )
-    sp.add_argument("--model", help="served evaluation: model or adapter name at the endpoint")
-    sp.add_argument("--concurrency", type=int, default=8, help="parallel requests (served evaluation)")
-    sp.add_argument("--timeout", type=float, default=60.0, help="seconds per request (served evaluation)")
-    sp.add_argument(
-        "--max-failed-fraction",
-        type=float,
-        default=0.1,
-        help="served evaluation: exit 1 (report still written) when more requests than this share failed",
-    )
-    sp.add_argument(
-        "--api-key", default=None, help="served evaluation: the server's API key (default: $VLLM_API_KEY)"
-    )
-
-
-def _export_args(sp: argparse.ArgumentParser) -> None:
-    sp.add_argument("src", help="run directory or checkpoint directory")
-    sp.add_argument("dest", help="destination folder or s3://bucket/prefix")
-    sp.add_argument(
-        "--allow-unservable",
-        action="store_true",
-        help="export even if vLLM cannot serve the adapter as trained (the problems are listed)",
-    )
-    sp.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="write into a destination that holds other files (they are left as they are)",
-    )
-
-
-def _fetch_args(sp: argparse.ArgumentParser) -> None:
-    sp.add_argument("src", help="exported adapter: folder or s3://bucket/prefix")
-    sp.add_argument("--cache-dir", default=None, help="local cache (default ~/.cache/visionrl/adapters)")
-
-
-def _serve_args(sp: argparse.ArgumentParser) -> None:
-    sp.add_argument("--base", required=True, help="base model directory")
-    sp.add_argument(
-        "--adapter",
-        action="append",
-        default=[],
-        metavar="NAME=SRC",
-        help="exported adapter (folder or s3://) served as NAME (repeatable)",
-    )
-    sp.add_argument(
-        "--host", default="127.0.0.1", help="address to bind (a non-loopback one needs an API key)"
-    )
-    sp.add_argument("--port", type=int, default=8000)
-    sp.add_argument(
-        "--api-key",
-        default=None,
-        help="require this bearer token on every /v1 endpoint, adapter load/unload included (default: "
-        "$VLLM_API_KEY; the environment variable keeps it out of the process list)",
-    )
-    sp.add_argument(
-        "--allow-insecure",
-        action="store_true",
-        help="serve on a non-loopback --host without an API key (only on a closed network)",
-    )
-    sp.add_argument(
-        "--vllm-arg",
-        action="append",
-        default=[],
-        help="extra argument passed to vLLM, last (repeatable; flags as --vllm-arg=--max-num-seqs=8)",
-    )
-
-
-def _init_tiny_model_args(sp: argparse.ArgumentParser) -> None:
-    sp.add_argument("dir")
-    # The names are the models' `model_type` (models.tiny.ARCHS), listed here so that --help stays instant.
-    sp.add_argument(
-        "--arch",
-        choices=("qwen3_vl", "qwen2_5_vl"),
-        default="qwen3_vl",
-        help="architecture (default qwen3_vl)",
-    )
-    sp.add_argument("--seed", type=int, default=0)
-    sp.add_argument("--no-pretrain", action="store_true", help="random weights only (no short pre-training)")
-    sp.add_argument(
-        "--recipe",
-        default="color",
-        choices=["color", "same_color", "easy-vqa", "judge-color"],
-        help="the task the pre-trained base is made for: it answers that task in format, at chance "
-        "(easy-vqa also adds the data set's words to the tokenizer); judge-color makes a tiny judge instead, "
-        "which answers yes or no to configs/judges/color_match.txt (a `judge` reward's model)",
-    )
-    sp.add_argument(
-        "--score-head",
-        action="store_true",
-        help="also write a sequence-classification score head (lm_head of 'yes' minus 'no'), so the model is a "
-        "reward model for a judge with backend classifier",
-    )
-
-
-def _make_data_args(sp: argparse.ArgumentParser) -> None:
-    sp.add_argument("dir")
-    sp.add_argument(
-        "--task",
-        required=True,
-        help="synthetic: color | count | position | sides | same_color (two images); "
-        "easy-vqa: the easy-VQA data set (pip install easy-vqa)",
-    )
-    sp.add_argument(
-        "--num-train", type=int, default=None, help="train records (synthetic default 512; easy-vqa: all)"
-    )
-    sp.add_argument(
-        "--num-eval", type=int, default=None, help="eval records (synthetic default 128; easy-vqa: all)"
-    )
-    sp.add_argument("--seed", type=int, default=0)
-    sp.add_argument("--image-size", type=int, default=64)
-    sp.add_argument(
-        "--question-type",
-        choices=["yes/no", "shape", "color"],
-        default=None,
-        help="easy-vqa: only the questions of this type (default: all)",
-    )
 
 
 Handler = Callable[[argparse.Namespace], int]
 
 #: The subcommands in the order `visionrl --help` lists them: name, handler, help line, its arguments.
 COMMANDS: tuple[tuple[str, Handler, str, Callable[[argparse.ArgumentParser], None]], ...] = (
-    ("train", _cmd_train, "Train a LoRA adapter by GRPO from a YAML job file.", _train_args),
-    ("validate", _cmd_validate, "Check a job file and print the resolved config.", _validate_args),
+    ("train", _cmd_train, "Train a LoRA adapter by GRPO from a YAML job file.", train_args),
+    ("validate", _cmd_validate, "Check a job file and print the resolved config.", validate_args),
     (
         "eval",
         _cmd_eval,
         "Measure accuracy (and latency) of a base model + adapter, locally or at an endpoint.",
-        _eval_args,
+        eval_args,
     ),
     (
         "export",
         _cmd_export,
         "Export a trained adapter with its manifest to a folder or s3://bucket/prefix.",
-        _export_args,
+        export_args,
     ),
     (
         "fetch",
         _cmd_fetch,
         "Download an exported adapter, verify it against its manifest, print its path.",
-        _fetch_args,
+        fetch_args,
     ),
     (
         "serve",
         _cmd_serve,
         "Serve a base model with LoRA adapters through vLLM's OpenAI-compatible server.",
-        _serve_args,
+        serve_args,
     ),
     (
         "init-tiny-model",
         _cmd_init_tiny_model,
         "Write a tiny Qwen3-VL (or Qwen2.5-VL) checkpoint (for tests and the demo).",
-        _init_tiny_model_args,
+        init_tiny_model_args,
     ),
-    ("make-data", _cmd_make_data, "Write a visual task as JSONL + PNG images.", _make_data_args),
+    ("make-data", _cmd_make_data, "Write a visual task as JSONL + PNG images.", make_data_args),
 )
 
 

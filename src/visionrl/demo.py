@@ -62,11 +62,19 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(1)
+    run = Path(args.dir)
+    from visionrl.orchestrate.console import libraries_to
+
+    with libraries_to(run / "visionrl.log"):  # the libraries' warnings in the run's log, not on the console
+        return _demo(args, run)
+
+
+def _demo(args: argparse.Namespace, run: Path) -> int:
+    """Steps 1-5 of the demo in `run` (see `main`); 0 when the trained adapter reaches the job's target."""
     from visionrl.data.easy_vqa import TASK_NAME as EASY_VQA
     from visionrl.data.synthetic import TASKS
     from visionrl.orchestrate.loop import train
 
-    run = Path(args.dir)
     t_start = time.perf_counter()
     base, data = prepare(run, args.task, args.seed)
     judge_report = prepare_judge(run, data, args.seed) if args.judge else None

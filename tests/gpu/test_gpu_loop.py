@@ -67,7 +67,8 @@ def test_placement_of_learner_and_engine(
 ) -> None:
     import ray
 
-    from visionrl.orchestrate.actors import ray_session, start_actors
+    from visionrl.orchestrate.actors import start_actors
+    from visionrl.orchestrate.ray_session import ray_session
 
     cfg = config_from_dict(
         {

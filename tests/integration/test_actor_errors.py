@@ -61,8 +61,8 @@ def test_errors_inside_actors_reach_the_user_with_their_cause(tmp_path: Path) ->
 
     from visionrl.errors import Preempted
     from visionrl.orchestrate import preemption
-    from visionrl.orchestrate.actors import ray_session
     from visionrl.orchestrate.failures import run_error, run_log
+    from visionrl.orchestrate.ray_session import ray_session
     from visionrl.orchestrate.remote import ENGINE, LEARNER, ActorFailed, ActorHung, Call, gather
     from visionrl.rollout.scratch import process_alive
     from visionrl.run_layout import RunDir

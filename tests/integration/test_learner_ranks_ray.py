@@ -124,8 +124,9 @@ def test_two_engines_take_whole_groups_and_serve_every_adapter_version(
     start-up probe reaches both engines, and both serve each new adapter version."""
     import ray
 
-    from visionrl.orchestrate.actors import ray_session, start_actors
+    from visionrl.orchestrate.actors import start_actors
     from visionrl.orchestrate.prompt_stream import PromptStream
+    from visionrl.orchestrate.ray_session import ray_session
     from visionrl.orchestrate.workers import Workers, _engine_spec
     from visionrl.types import SamplingSpec
 

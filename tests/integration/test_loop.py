@@ -110,13 +110,19 @@ def test_learner_logprobs_match_vllm_sampling_logprobs(engine_and_learner) -> No
 
 
 def test_two_steps_through_ray_write_the_tensorboard_tags_and_resume(
-    tiny_model: Path, color_data: Path, tmp_path: Path, shared_ray
+    tiny_model: Path, color_data: Path, tmp_path: Path, shared_ray, capfd: pytest.CaptureFixture[str]
 ) -> None:
     from visionrl.orchestrate.loop import train
 
     small = {"rollout": {"prompts_per_step": 4}, "data": {"max_eval_samples": 8}}  # 4 x 8 completions a step
     cfg = _cfg(tiny_model, color_data, tmp_path / "run", **small)
     result = train(cfg)
+    # A quiet console: the libraries' output (vLLM's warnings and bars, the actors' stderr) is in the run's log
+    console = capfd.readouterr()
+    noise = [line for line in (console.out + console.err).splitlines() if _library_line(line)]
+    assert noise == [], noise[:5]
+    log = (tmp_path / "run" / "visionrl.log").read_text()
+    assert "WARNING" in log and "vllm" in log.lower()  # vLLM's own warnings went there
     assert result.steps == 2 and [h["step"] for h in result.history] == [1, 2]
     tags = read_tags(tmp_path / "run" / "tensorboard")
     scalars = read_scalars(tmp_path / "run" / "tensorboard")
@@ -139,6 +145,12 @@ def test_two_steps_through_ray_write_the_tensorboard_tags_and_resume(
     resumed = train(_cfg(tiny_model, color_data, tmp_path / "run", train={"steps": 3}, **small), resume=True)
     assert [h["step"] for h in resumed.history] == [3]
     assert resumed.history[0]["rollout/adapter_version"] == 2.0
+
+
+def _library_line(line: str) -> bool:
+    """A console line that a library wrote (vLLM's or Ray's warnings, a forwarded actor's output, a load bar)."""
+    marks = ("WARNING", "Warning", "it/s]", "(RolloutActor", "(LearnerActor", "(RewardActor", "Loading")
+    return any(m in line for m in marks)
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from visionrl import faults
-from visionrl.orchestrate.actors import with_fault_env
+from visionrl.orchestrate.actors import with_actor_env
 
 
 def test_only_the_armed_fault_variables_are_passed_on(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -14,7 +14,7 @@ def test_only_the_armed_fault_variables_are_passed_on(monkeypatch: pytest.Monkey
     monkeypatch.delenv("VISIONRL_FAULTS_DIR", raising=False)
     assert faults.actor_env() == {}
     options = [{"num_cpus": 0}]
-    with_fault_env(options)
+    with_actor_env(options)
     assert options == [{"num_cpus": 0}]  # nothing armed: the actors' options are unchanged
 
     monkeypatch.setenv("VISIONRL_FAULTS", "kill_engine")
@@ -31,7 +31,7 @@ def test_the_fault_variables_join_an_actors_own_environment(monkeypatch: pytest.
         "runtime_env": {"env_vars": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}},
     }
     engine: dict = {"num_gpus": 0}
-    with_fault_env([gpu_learner, engine])
+    with_actor_env([gpu_learner, engine])
     assert gpu_learner["runtime_env"] == {
         "env_vars": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "VISIONRL_FAULTS": "kill_learner"}
     }

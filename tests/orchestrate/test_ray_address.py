@@ -9,7 +9,7 @@ import time
 import pytest
 
 from visionrl.errors import InputError
-from visionrl.orchestrate.actors import wait_for_ray
+from visionrl.orchestrate.ray_session import wait_for_ray
 
 
 def _free_port() -> int:

@@ -34,7 +34,13 @@ COLOR_MATCH_TEMPLATE = (
 # 0.88 after 300; with six times a task's examples the colour lesson drowned, and the judge told red from yellow
 # no better than chance: agreement 0.86).
 JUDGE_EXAMPLES_PER_TASK = 2
-RECIPE_STEPS = {JUDGE_COLOR: 600}
+RECIPE_STEPS = {JUDGE_COLOR: 900}
+# The same lesson from the same seed gave judges from 0.75 to 1.0 (every image's four colours judged right) between
+# 600 and 900 steps and between library versions: the colour boundary a tiny model learns moves with every bit of
+# its arithmetic. So the judge is chosen, not hoped for: from JUDGE_SELECT_FROM steps on, every JUDGE_SELECT_EVERY
+# steps it is measured on JUDGE_VALIDATION pictures of its own (never the demo's held-out set), and the best
+# weights are kept (benchmarks/NOTES-demo-judge.md).
+JUDGE_SELECT_FROM, JUDGE_SELECT_EVERY, JUDGE_VALIDATION = 400, 100, 64
 # Which tasks a base learns with true labels and which only in format (random labels), per task a GRPO run
 # then has to learn. "color" is the demo's base. For the two-image `same_color` task the base reads colours
 # (real bases do) and knows the yes/no format, but not the comparison of two images, which GRPO must learn.
@@ -57,6 +63,10 @@ class PretrainReport:
     steps: int
     final_loss: float
     seconds: float
+    selected_step: int | None = None  # the judge recipe: the step whose weights were kept
+    selected_score: float | None = (
+        None  # ... and their share of validation pictures judged right in all colours
+    )
 
 
 def _examples(
@@ -122,6 +132,75 @@ def _easy_vqa_examples(rng: random.Random, num: int) -> list[tuple[str, list[Ima
     return out
 
 
+def _encode(processor: Any, question: str, images: list[Image.Image]) -> EncodedPrompt:
+    content = [*({"type": "image"} for _ in images), {"type": "text", "text": question}]
+    messages = [{"role": "user", "content": content}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    enc = processor(text=[text], images=images, return_tensors="pt")
+    return EncodedPrompt(
+        enc["input_ids"][0], enc["mm_token_type_ids"][0], enc["pixel_values"], enc["image_grid_thw"]
+    )
+
+
+def _answer_logits(
+    model: torch.nn.Module, encoded: list[EncodedPrompt], targets: list[list[int]], rows: list[int], pad: int
+) -> tuple[torch.Tensor, Any]:
+    """The logits [B, T, V] at the answer positions of `rows` (teacher-forced on their targets) and the batch."""
+    seqs = [
+        Sequence(
+            prompt=r, completion_ids=targets[r], advantage=0.0, sampling_logprobs=[0.0] * len(targets[r])
+        )
+        for r in rows
+    ]
+    mb = collate(encoded, seqs, list(range(len(seqs))), pad)
+    T = mb.completion_ids.shape[1]
+    logits = model(
+        input_ids=mb.input_ids,
+        attention_mask=mb.attention_mask,
+        mm_token_type_ids=mb.mm_token_type_ids,
+        pixel_values=mb.pixel_values,
+        image_grid_thw=mb.image_grid_thw,
+        use_cache=False,
+    ).logits.float()
+    at = (mb.starts.unsqueeze(1) - 1 + torch.arange(T)).clamp(0, logits.shape[1] - 1)  # [B, T]
+    return logits.gather(1, at.unsqueeze(-1).expand(-1, -1, logits.shape[-1])), mb
+
+
+class JudgeValidation:
+    """Pictures of the colour task (a seed of their own), each asked COLOR_MATCH_TEMPLATE with every colour; `score`
+    is the share of pictures whose four verdicts are all right (P(yes) > P(no) exactly for the shape's colour)."""
+
+    def __init__(self, processor: Any, seed: int, num: int, image_size: int) -> None:
+        from visionrl.rewards.judge import render
+
+        task, rng = TASKS["color"], random.Random(10_000 + seed)
+        tok = processor.tokenizer
+        self.yes, self.no = (tok.encode(w, add_special_tokens=False)[0] for w in ("yes", "no"))
+        self.pad, self.size = tok.pad_token_id or 0, len(task.answers)
+        self.encoded, self.truth = [], []
+        for answer in balanced_answers(rng, task.answers, num):
+            item = task.render(rng, answer, image_size)
+            for colour in task.answers:
+                text = render(COLOR_MATCH_TEMPLATE, task.question, None, colour)
+                self.encoded.append(_encode(processor, text, item.images))
+                self.truth.append(colour == item.answer)
+
+    @torch.no_grad()
+    def score(self, model: torch.nn.Module) -> float:
+        was_training = model.training
+        model.eval()
+        targets = [[self.yes]] * len(self.encoded)
+        right = []
+        for start in range(0, len(self.encoded), 32):
+            rows = list(range(start, min(start + 32, len(self.encoded))))
+            logits, _ = _answer_logits(model, self.encoded, targets, rows, self.pad)
+            says_yes = logits[:, 0, self.yes] > logits[:, 0, self.no]
+            right += [bool(y) == self.truth[r] for y, r in zip(says_yes, rows, strict=True)]
+        model.train(was_training)
+        pictures = [all(right[i : i + self.size]) for i in range(0, len(right), self.size)]
+        return sum(pictures) / len(pictures)
+
+
 def pretrain_tiny(
     model: torch.nn.Module,
     processor: Any,
@@ -135,7 +214,8 @@ def pretrain_tiny(
     recipe: str = "color",
 ) -> PretrainReport:
     """Full-parameter supervised training on answer tokens (+ end of turn). Deterministic for a seed.
-    `recipe`: which tasks are taught with true labels and which in format only (RECIPES)."""
+    `recipe`: which tasks are taught with true labels and which in format only (RECIPES); the judge recipe keeps
+    the weights that judge best (JudgeValidation, from JUDGE_SELECT_FROM steps on)."""
     import time
 
     t0 = time.perf_counter()
@@ -144,19 +224,12 @@ def pretrain_tiny(
     data = _examples(rng, num_per_task, image_size, recipe)
     tok = processor.tokenizer
     end_id = tok.convert_tokens_to_ids("<|im_end|>")
-    encoded: list[EncodedPrompt] = []
-    targets: list[list[int]] = []
-    for question, images, answer in data:
-        content = [*({"type": "image"} for _ in images), {"type": "text", "text": question}]
-        messages = [{"role": "user", "content": content}]
-        text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        enc = processor(text=[text], images=images, return_tensors="pt")
-        encoded.append(
-            EncodedPrompt(
-                enc["input_ids"][0], enc["mm_token_type_ids"][0], enc["pixel_values"], enc["image_grid_thw"]
-            )
-        )
-        targets.append([*tok.encode(answer, add_special_tokens=False), end_id])
+    encoded = [_encode(processor, question, images) for question, images, _ in data]
+    targets = [[*tok.encode(answer, add_special_tokens=False), end_id] for _, _, answer in data]
+    validation = (
+        JudgeValidation(processor, seed, JUDGE_VALIDATION, image_size) if recipe == JUDGE_COLOR else None
+    )
+    best: tuple[float, int, dict[str, torch.Tensor]] | None = None
     model.train()
     model.requires_grad_(True)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -165,26 +238,9 @@ def pretrain_tiny(
     )
     loss_value = float("nan")
     pad = tok.pad_token_id or 0
-    for _ in range(steps):
+    for step in range(1, steps + 1):
         rows = [rng.randrange(len(data)) for _ in range(batch_size)]
-        seqs = [
-            Sequence(
-                prompt=r, completion_ids=targets[r], advantage=0.0, sampling_logprobs=[0.0] * len(targets[r])
-            )
-            for r in rows
-        ]
-        mb = collate(encoded, seqs, list(range(len(seqs))), pad)
-        T = mb.completion_ids.shape[1]
-        logits = model(
-            input_ids=mb.input_ids,
-            attention_mask=mb.attention_mask,
-            mm_token_type_ids=mb.mm_token_type_ids,
-            pixel_values=mb.pixel_values,
-            image_grid_thw=mb.image_grid_thw,
-            use_cache=False,
-        ).logits.float()
-        at = (mb.starts.unsqueeze(1) - 1 + torch.arange(T)).clamp(0, logits.shape[1] - 1)  # [B, T]
-        logits = logits.gather(1, at.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+        logits, mb = _answer_logits(model, encoded, targets, rows, pad)
         nll = torch.nn.functional.cross_entropy(
             logits.reshape(-1, logits.shape[-1]), mb.completion_ids.reshape(-1), reduction="none"
         ).reshape(mb.completion_ids.shape)
@@ -194,7 +250,23 @@ def pretrain_tiny(
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        loss_value = float(loss)
+        loss_value = float(loss.detach())
+        if (
+            validation is not None
+            and step >= JUDGE_SELECT_FROM
+            and (step % JUDGE_SELECT_EVERY == 0 or step == steps)
+        ):
+            score = validation.score(model)
+            if best is None or score > best[0]:
+                best = (score, step, {k: v.detach().clone() for k, v in model.state_dict().items()})
+    if best is not None:
+        model.load_state_dict(best[2])
     model.eval()
     model.requires_grad_(False)
-    return PretrainReport(steps=steps, final_loss=loss_value, seconds=time.perf_counter() - t0)
+    return PretrainReport(
+        steps=steps,
+        final_loss=loss_value,
+        seconds=time.perf_counter() - t0,
+        selected_step=None if best is None else best[1],
+        selected_score=None if best is None else best[0],
+    )

@@ -303,6 +303,8 @@ def build_tiny_model(
             model, processor, seed=seed, recipe=recipe, steps=RECIPE_STEPS.get(recipe, 300)
         )
         info.update(pretrain_steps=report.steps, pretrain_final_loss=round(report.final_loss, 4))
+        if report.selected_step is not None:  # the judge recipe: the weights that judged best
+            info.update(selected_step=report.selected_step, selected_score=report.selected_score)
         if recipe != "color":  # the demo base's file stays byte-identical
             info["pretrain_recipe"] = recipe
     model.save_pretrained(out, safe_serialization=True)

@@ -1,4 +1,4 @@
-"""Ray actors (thin wrappers of the plain classes) and their placement, plus the embedded Ray session.
+"""Ray actors (thin wrappers of the plain classes) and their placement (the Ray they run on: `ray_session`).
 
 Actors: `ray.num_learners` learner ranks, `rollout.num_engines` rollout engines, `ray.num_reward_workers`
 reward workers; none takes a CPU reservation, so 2 cores can host them all. Where they go is planned by
@@ -11,13 +11,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
-import tempfile
-import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import psutil
 import ray
 
 from visionrl import faults
@@ -25,10 +21,10 @@ from visionrl.config import JobConfig, RayConfig
 from visionrl.config_placement import PlacementPlan
 from visionrl.data.images import ImageBudget
 from visionrl.errors import InputError, out_of_memory
+from visionrl.orchestrate import console
 from visionrl.orchestrate.remote import ENGINE, LEARNER, REWARD, Call, gather, kill_actors
 from visionrl.rewards import RewardSpec, build_reward_fn
 from visionrl.rollout.factory import make_engine
-from visionrl.rollout.scratch import process_alive
 from visionrl.train.learner_state import LearnerState
 from visionrl.types import AdapterPayload, Completion, JudgeAsk, ProbeResult, PromptItem, SamplingSpec
 
@@ -37,102 +33,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-def wait_for_ray(address: str, timeout_s: float, poll_s: float = 2.0) -> None:
-    """Until something listens at a `host:port` Ray address, for at most `timeout_s`: `ray.init` alone retries a
-    wrong address forever with only its own warnings. Other forms (`auto`, `ray://...`) are left to Ray."""
-    import socket
-
-    host, _, port = address.rpartition(":")
-    if "://" in address or not host or not port.isdigit():
-        return
-    deadline, told = time.monotonic() + timeout_s, 0.0
-    while True:
-        try:
-            with socket.create_connection((host, int(port)), timeout=min(5.0, timeout_s)):
-                return
-        except OSError as err:
-            waited = timeout_s - (deadline - time.monotonic())
-            if time.monotonic() >= deadline:
-                raise InputError(
-                    f"no Ray answers at ray.address={address} after {waited:.0f} s ({err}); check the head node's "
-                    "address and port (`ray status` on the head prints it), that the head is running, or leave "
-                    "ray.address and RAY_ADDRESS unset for a local Ray"
-                ) from None
-            if waited - told >= 30.0:
-                logger.warning(
-                    "waiting for Ray at %s (%.0f s of ray.startup_timeout_s=%g)", address, waited, timeout_s
-                )
-                told = waited
-        time.sleep(min(poll_s, max(deadline - time.monotonic(), 0.0)))
-
-
-@contextlib.contextmanager
-def ray_session(cfg: RayConfig) -> Iterator[dict[str, Any]]:
-    """Attach to `ray.address` / RAY_ADDRESS, or start an embedded local Ray in a temp dir, torn down at exit
-    (also on error or Ctrl-C). Yields a description of the session."""
-    address = cfg.address or os.environ.get("RAY_ADDRESS")
-    if ray.is_initialized():
-        yield {"mode": "existing"}
-        return
-    if address:
-        wait_for_ray(address, cfg.startup_timeout_s)
-        ray.init(address=address, log_to_driver=True)
-        try:
-            yield {"mode": "attached", "address": address}
-        finally:
-            ray.shutdown()  # disconnects only; the cluster keeps running
-        return
-    # A short path: Ray's Unix sockets live under the temp dir and paths over ~107 bytes fail.
-    tmp = tempfile.mkdtemp(prefix="vrl-ray-", dir="/tmp" if os.path.isdir("/tmp") else None)
-    before = _descendants()
-    try:
-        ray.init(
-            num_cpus=cfg.num_cpus or os.cpu_count(),
-            include_dashboard=False,
-            _temp_dir=tmp,
-            log_to_driver=True,
-            configure_logging=True,
-            logging_level=logging.WARNING,
-        )
-        yield {"mode": "embedded", "temp_dir": tmp}
-    finally:
-        started = _descendants() - before  # Ray's processes and its workers
-        ray.shutdown()
-        _wait_gone(started, RAY_EXIT_WAIT_S)
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-RAY_EXIT_WAIT_S = 15.0  # how long the end of a run waits for the processes of its local Ray to exit
-
-
-def _descendants() -> set[int]:
-    try:
-        return {p.pid for p in psutil.Process().children(recursive=True)}
-    except psutil.Error:
-        return set()
-
-
-def _wait_gone(pids: set[int], timeout: float) -> None:
-    """`ray.shutdown` stops the local Ray's own processes; its workers (the engines) exit on their own once
-    their raylet has gone, a killed one perhaps still on its way out. Waiting for them means nothing of the run
-    is left running when `train` returns, and the engines' scratch folders can be removed after
-    (rollout.scratch; a zombie counts as gone there and here: where PID 1 does not reap orphans, a container
-    without an init, an engine that outlived its raylet stays one)."""
-    deadline = time.monotonic() + timeout
-    alive = sorted(pids)
-    while True:
-        alive = [pid for pid in alive if process_alive(pid)]
-        if not alive or time.monotonic() >= deadline:
-            break
-        time.sleep(0.1)
-    if alive:
-        logger.warning("%d process(es) of the local Ray still running %.0f s after it stopped: %s",
-                       len(alive), timeout, ", ".join(map(str, alive)))  # fmt: skip
-
-
-# ---------------------------------------------------------------------------------------------- actors
 
 
 def _memory_settings(cfg: JobConfig) -> dict[str, object]:
@@ -175,6 +75,7 @@ class LearnerActor:
     `orchestrate.learners.LearnerGroup`."""
 
     def __init__(self, cfg: JobConfig, rank: int = 0, world: int = 1) -> None:
+        console.quiet_actor()
         self.cfg, self.rank, self.world, self.calls = cfg, rank, world, 0
         self.learner: Learner | None = None
 
@@ -263,6 +164,7 @@ class LearnerActor:
 @ray.remote
 class RolloutActor:
     def __init__(self, cfg: JobConfig, forbidden: list[int], seed: int, index: int = 0) -> None:
+        console.quiet_actor()
         use_torch_threads(cfg)
         self.cfg, self.index, self.calls = cfg, index, 0
         with memory_guard("rollout engine", "start-up", cfg):
@@ -322,6 +224,7 @@ class RolloutActor:
 @ray.remote
 class RewardActor:
     def __init__(self, specs: list[RewardSpec], cfg: RayConfig, index: int = 0) -> None:
+        console.quiet_actor()
         self.fn = build_reward_fn(specs, timeout_s=cfg.reward_timeout_s, isolation=cfg.reward_isolation)
         self.index, self.calls = index, 0
 
@@ -360,7 +263,7 @@ def _start_engine(cfg: JobConfig, index: int, forbidden: list[int], opts: dict[s
 
 def _start_reward_worker(cfg: JobConfig, index: int) -> Any:
     opts: dict[str, Any] = {"num_cpus": 0, "max_restarts": cfg.ray.max_actor_restarts}
-    with_fault_env([opts])
+    with_actor_env([opts])
     return RewardActor.options(**opts).remote(cfg.reward_specs(judges=False), cfg.ray, index)  # type: ignore[attr-defined]
 
 
@@ -390,14 +293,15 @@ def _scheduling(cfg: JobConfig, plan: PlacementPlan) -> tuple[list[dict], list[d
         # fragment. Learner only: vLLM's sleep mode refuses them in the engine's process.
         for opts in learner_opts:
             opts["runtime_env"] = {"env_vars": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}}
-    with_fault_env(learner_opts + engine_opts)
+    with_actor_env(learner_opts + engine_opts)
     return learner_opts, engine_opts
 
 
-def with_fault_env(options: list[dict[str, Any]]) -> None:
-    """Faults armed in the driver (visionrl.faults) go to every actor's environment: a Ray started before they
-    were armed (a cluster, or one Ray for several runs) would not pass them on otherwise."""
-    env = faults.actor_env()
+def with_actor_env(options: list[dict[str, Any]]) -> None:
+    """Faults armed in the driver (visionrl.faults) and the log file of the actors' output (`console`) go to every
+    actor's environment: a Ray started before them (a cluster, or one Ray for several runs) would not pass them on
+    otherwise."""
+    env = {**faults.actor_env(), **console.actor_env()}
     if not env:
         return
     for opts in options:

@@ -24,7 +24,8 @@ from visionrl import faults
 from visionrl.config import JobConfig
 from visionrl.data.prompts import user_prompt
 from visionrl.judge.scoring import Backend, JudgeScores, Judging, Raw, judge_entries
-from visionrl.orchestrate.actors import memory_guard, placement, use_torch_threads, with_fault_env
+from visionrl.orchestrate import console
+from visionrl.orchestrate.actors import memory_guard, placement, use_torch_threads, with_actor_env
 from visionrl.orchestrate.remote import (
     ENGINE,
     JUDGE,
@@ -123,6 +124,7 @@ class JudgeActor:
     (`judge.model`), or a reward model in transformers (`judge.classifier`)."""
 
     def __init__(self, spec: JudgeSpec, cfg: JobConfig, index: int = 0) -> None:
+        console.quiet_actor()
         use_torch_threads(cfg)
         self.index, self.calls = index, 0
         self.model: Any
@@ -158,7 +160,7 @@ def start_judge_actors(cfg: JobConfig, spec: JudgeSpec) -> list[Any]:
         "num_gpus": spec.num_gpus,
         "max_restarts": cfg.ray.max_actor_restarts,
     }
-    with_fault_env([opts])
+    with_actor_env([opts])
     actors = [JudgeActor.options(**opts).remote(spec, cfg, i) for i in range(spec.num_actors)]  # type: ignore[attr-defined]
     try:
         calls = [Call(a.placement.remote(), JUDGE, i) for i, a in enumerate(actors)]

@@ -28,6 +28,7 @@ Which GRPO this is:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, replace
 from functools import partial
@@ -43,10 +44,11 @@ from visionrl.algo import group_advantages, overlong_penalty
 from visionrl.config import JobConfig, dump_config
 from visionrl.errors import InputError, Preempted, RunError, storage_errors
 from visionrl.files import atomic_write
+from visionrl.judge.scoring import judge_entries
 from visionrl.metrics import MetricsWriter, Progress
 from visionrl.models.sequences import Sequence
-from visionrl.orchestrate import preemption
-from visionrl.orchestrate.actors import check_gpu_requests, ray_session, start_actors
+from visionrl.orchestrate import console, preemption
+from visionrl.orchestrate.actors import check_gpu_requests, start_actors
 from visionrl.orchestrate.collect import Collected, collect, collect_ahead
 from visionrl.orchestrate.delivery import FingerprintWatch, MismatchWatch
 from visionrl.orchestrate.failures import run_error, run_log, stopped
@@ -54,6 +56,7 @@ from visionrl.orchestrate.health import CollapseWatch, RunHealth
 from visionrl.orchestrate.pipeline import Prefetch, warn_about_async_steps
 from visionrl.orchestrate.preemption import stop_on_signals
 from visionrl.orchestrate.prompt_stream import PromptStream
+from visionrl.orchestrate.ray_session import ray_session
 from visionrl.orchestrate.remote import ActorProblem, first_line
 from visionrl.orchestrate.resume import ResumeMode, checkpoint_to_resume
 from visionrl.orchestrate.step_log import StepClock, step_metrics, write_step
@@ -95,10 +98,10 @@ def train(cfg: JobConfig, resume: ResumeMode | None = None) -> TrainResult:
         atomic_write(run.config, text)
     if ckpt is None:
         run.history.unlink(missing_ok=True)
-    with run_log(run):
+    with run_log(run), console.libraries_to(run.log):
         try:
             with ray_session(cfg.ray) as session, stop_on_signals():
-                logger.info("ray session: %s", session)
+                logger.debug("ray session: %s", session)
                 check_gpu_requests(cfg, session["mode"])  # before any actor waits for a GPU that never comes
                 return _train(cfg, run, ckpt, prompts_in)
         except ActorProblem as problem:
@@ -117,7 +120,12 @@ def _train(cfg: JobConfig, run: RunDir, ckpt: Path | None, prompts_in: PromptStr
             resumed = _resume(cfg, run, ckpt, prompts_in, tb, workers)
             loop = Loop(cfg, run, prompts_in, workers, tb, prefetch, resumed)
             for step in range(resumed + 1, cfg.train.steps + 1):
-                if loop.step(step):
+                first = console.phase(
+                    f"step {step}, the first of this run (the engines' kernels warm up)", "done"
+                )
+                with first if step == resumed + 1 else contextlib.nullcontext():
+                    at_target = loop.step(step)
+                if at_target:
                     break  # two evaluations in a row at the target
             return loop.finish()
         except BaseException:
@@ -131,20 +139,32 @@ def _start_workers(cfg: JobConfig, run: RunDir, prompts_in: PromptStream) -> Wor
     """The actors started (`start_actors` stops those it started if one fails), and the adapter seen to reach
     the engines."""
     try:
-        workers = Workers(*start_actors(cfg), cfg)
+        with console.phase(_starting(cfg)):
+            workers = Workers(*start_actors(cfg), cfg)
     except Preempted as early_stop:  # stopped while starting: nothing new to save
         raise stopped(early_stop, run.root, None) from None
     try:
-        workers.verify_delivery(
-            prompts_in.probe_prompts()
-        )  # a non-zero adapter must change the engines' output
-        workers.attach_judges(prompts_in.processor)  # a job's `judge` rewards, their actors started
+        with console.phase("checking that the adapter reaches the engines", "verified"):
+            workers.verify_delivery(prompts_in.probe_prompts())  # a non-zero adapter must change their output
+        if judge_entries(cfg):
+            with console.phase("starting the judges"):
+                workers.attach_judges(prompts_in.processor)  # a job's `judge` rewards, their actors started
     except BaseException as err:
         workers.kill()
         if isinstance(err, Preempted):
             raise stopped(err, run.root, None) from None
         raise
     return workers
+
+
+def _starting(cfg: JobConfig) -> str:
+    """The start-up phase's line: what loads (the learner and engines load the model; vLLM compiles)."""
+    plan = cfg.placement_plan()
+    ranks, engines = len(plan.learners), len(plan.engines)
+    return (
+        f"starting {ranks} learner rank(s) and {engines} rollout engine(s) ({cfg.rollout.engine}): loading "
+        f"{cfg.model.path}" + (", vLLM compiling" if cfg.rollout.engine == "vllm" else "")
+    )
 
 
 def _resume(
