@@ -143,7 +143,9 @@ def prepare_judge(run: Path, data: Path, seed: int) -> dict[str, float]:
 
     judge = run / "judge-model"
     if not (judge / "config.json").is_file():
-        _say(f"   building the tiny judge in {judge} (recipe judge-color, ~40 s pre-training)")
+        _say(
+            f"   building the tiny judge in {judge} (recipe judge-color: about 80 s of pre-training, the best of ten judges kept)"
+        )
         build_tiny_model(judge, seed=seed, pretrain=True, recipe="judge-color")
     _say(
         "   measuring the judge on the held-out questions (the true colour and another as the proposed answer)"

@@ -31,7 +31,7 @@ def test_on_policy_the_loss_is_the_token_mean_of_minus_a_times_the_ratio_and_its
     assert float(out.means[tags.CLIP_FRACTION]) == 0.0
     # |lp - engine| per token: (0.1 + 0 + 0.5) / 3
     assert float(out.means[tags.LOGPROB_DIFF]) == pytest.approx(0.2)
-    assert set(out.terms) == {tags.LOSS_POLICY}  # no KL term: no loss/kl curve of zeros
+    assert set(out.terms) == {tags.LOSS_POLICY, tags.LOSS_KL} and float(out.terms[tags.LOSS_KL]) == 0.0
     assert (
         tags.APPROX_KL not in out.means
     )  # one update on-policy: every ratio is 1, approx_kl 0 by construction
@@ -66,7 +66,7 @@ def test_metric_keys_cover_what_a_micro_batch_reports() -> None:
         keys = metric_keys(algo)
         assert {*out.terms, *out.means, tags.LOSS_TOTAL} <= set(keys)
         assert (tags.CORRECTION_WEIGHT in keys) is (correction != "off")
-    # the KL curves exist exactly when they can be other than zero
+    # approx_kl exists exactly when it can be other than zero; loss/kl always (a required tag)
     for algo, kl, approx in [
         (AlgorithmConfig(), False, False),
         (AlgorithmConfig(kl_coef=0.1), True, False),
@@ -74,7 +74,7 @@ def test_metric_keys_cover_what_a_micro_batch_reports() -> None:
         (AlgorithmConfig(old_logprobs="engine", rollout_correction="off"), False, True),
     ]:
         keys = metric_keys(algo)
-        assert (tags.LOSS_KL in keys, tags.APPROX_KL in keys) == (kl, approx)
+        assert (tags.LOSS_KL in keys, tags.APPROX_KL in keys) == (True, approx)
         lp = _lp()
         ref = lp.detach() if kl else None
         out = micro_batch_loss(algo, lp, torch.zeros(2, 3), lp.detach(), ADV, MASK, NORMS, ref_lp=ref)

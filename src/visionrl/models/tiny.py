@@ -297,11 +297,10 @@ def build_tiny_model(
     )
     info: dict = {"seed": seed, "kind": f"tiny-{arch.replace('_', '-')}", "pretrained": pretrain}
     if pretrain:
-        from visionrl.models.pretrain import RECIPE_STEPS, pretrain_tiny
+        from visionrl.models.pretrain import RECIPE_LR, RECIPE_STEPS, pretrain_tiny
 
-        report = pretrain_tiny(
-            model, processor, seed=seed, recipe=recipe, steps=RECIPE_STEPS.get(recipe, 300)
-        )
+        steps, lr = RECIPE_STEPS.get(recipe, 300), RECIPE_LR.get(recipe, 2e-3)
+        report = pretrain_tiny(model, processor, seed=seed, recipe=recipe, steps=steps, lr=lr)
         info.update(pretrain_steps=report.steps, pretrain_final_loss=round(report.final_loss, 4))
         if report.selected_step is not None:  # the judge recipe: the weights that judged best
             info.update(selected_step=report.selected_step, selected_score=report.selected_score)

@@ -91,6 +91,7 @@ def step_metrics(
         if "/" in k:  # the learner's tags (metrics.py); plain keys are its internal counters
             m[k] = float(v)
     m.setdefault(tags.LOSS_POLICY, 0.0)
+    m.setdefault(tags.LOSS_KL, 0.0)  # a required tag (0 without a KL term)
     m.setdefault(tags.SKIPPED_UPDATES, 0.0)
     return m
 

@@ -42,9 +42,8 @@ def policy_can_move(algo: AlgorithmConfig) -> bool:
 def metric_keys(algo: AlgorithmConfig) -> list[str]:
     """What the learner sums over micro-batches and ranks: the loss terms, the per-token means, the count of
     micro-batches."""
-    keys = [tags.LOSS_POLICY, tags.LOSS_TOTAL, tags.CLIP_FRACTION, tags.ENTROPY]
-    if algo.kl_coef > 0:  # a KL term: without one, loss/kl would be drawn as a flat zero
-        keys.append(tags.LOSS_KL)
+    # loss/kl is written even without a KL term (0: DESIGN's required tags); approx_kl only where it can move
+    keys = [tags.LOSS_POLICY, tags.LOSS_KL, tags.LOSS_TOTAL, tags.CLIP_FRACTION, tags.ENTROPY]
     if policy_can_move(algo):
         keys.append(tags.APPROX_KL)
     keys += [tags.CLIP_FRACTION_LOW, tags.CLIP_FRACTION_HIGH]
@@ -87,7 +86,7 @@ def micro_batch_loss(
         tau_neg=algo.tau_neg,
         **norms,
     )
-    total, terms = loss, {tags.LOSS_POLICY: loss.detach()}
+    total, terms = loss, {tags.LOSS_POLICY: loss.detach(), tags.LOSS_KL: torch.zeros((), device=lp.device)}
     if ref_lp is not None:
         kl = aggregate(kl_penalty(lp, ref_lp, algo.kl_kind), mask, algo.loss_aggregation, **norms)
         total, terms[tags.LOSS_KL] = total + algo.kl_coef * kl, kl.detach()
