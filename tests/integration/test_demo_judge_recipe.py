@@ -1,7 +1,7 @@
 """`make demo-judge`'s recipe (configs/demo_judge.yaml): the colour task trained with a tiny judge model as the
 only reward, no exact match. The judge must agree with the true labels and fall to chance without the right
 image; the policy must go from chance to at least 0.8 held-out exact match, reading the image. About 4 minutes on
-2 cores (the slow tier); the recipe's seed (1) is the one measured in benchmarks/NOTES-demo-judge.md."""
+2 cores (the slow tier); the recipe's seed (2) is the one measured in benchmarks/NOTES-demo-judge.md, round 2."""
 
 from __future__ import annotations
 
