@@ -30,7 +30,7 @@ def train_args(sp: argparse.ArgumentParser) -> None:
         "--verbose",
         action="store_true",
         help="show the libraries' output (vLLM, Ray, transformers, torch) on the console; by default it goes to "
-        "<output_dir>/visionrl.log",
+        "<output_dir>/libraries.log",
     )
 
 

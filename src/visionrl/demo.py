@@ -64,8 +64,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     run = Path(args.dir)
     from visionrl.orchestrate.console import libraries_to
+    from visionrl.run_layout import RunDir
 
-    with libraries_to(run / "visionrl.log"):  # the libraries' warnings in the run's log, not on the console
+    with libraries_to(
+        RunDir(run).libraries_log
+    ):  # the libraries' output in the run's folder, not on the console
         return _demo(args, run)
 
 

@@ -5,6 +5,7 @@ writes them: the loop, checkpoints, export, evaluation and the demo.
       config.yaml          the resolved job config
       history.jsonl        one line of metrics per step (appended every step)
       visionrl.log         the run's log lines and the full tracebacks of failed actors (appended)
+      libraries.log        what the libraries wrote (vLLM, Ray, transformers, torch), unless --verbose (appended)
       tensorboard/         event files
       checkpoints/step_N/  atomic checkpoints (see visionrl.checkpoint)
       adapter/             the final PEFT adapter with visionrl_manifest.json
@@ -20,6 +21,7 @@ from pathlib import Path
 RUN_CONFIG = "config.yaml"
 HISTORY = "history.jsonl"
 RUN_LOG = "visionrl.log"
+LIBRARIES_LOG = "libraries.log"
 TENSORBOARD_DIR = "tensorboard"
 CHECKPOINTS_DIR = "checkpoints"
 ADAPTER_DIR = "adapter"
@@ -54,6 +56,10 @@ class RunDir:
     @property
     def log(self) -> Path:
         return self.root / RUN_LOG
+
+    @property
+    def libraries_log(self) -> Path:
+        return self.root / LIBRARIES_LOG
 
     @property
     def tensorboard(self) -> Path:

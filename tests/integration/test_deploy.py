@@ -108,7 +108,7 @@ def test_slurm_launcher_runs_visionrl_train_on_its_ray_cluster(
         out = proc.stdout + proc.stderr
         assert proc.returncode == 0, out[-3000:]
         assert "1/1 node(s) joined" in out
-        assert "Connecting to existing Ray cluster" in out  # visionrl attached through RAY_ADDRESS
+        assert "[visionrl] attaching to Ray at " in out  # visionrl attached through RAY_ADDRESS
         assert (run / "adapter" / "visionrl_manifest.json").is_file()
         assert len((run / "history.jsonl").read_text().splitlines()) == 1
         # Every process of the cluster ended with the launcher.

@@ -70,7 +70,7 @@ def test_sigterm_checkpoints_the_last_step_and_auto_resume_continues(
     assert ckpt.step == done[-1]
     left = subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True, text=True).stdout.split()
     assert not left, f"processes of the run still alive: {left}"
-    temp = re.search(r"'temp_dir': '([^']+)'", (run / "visionrl.log").read_text())
+    temp = re.search(r"starting a local Ray \(\d+ CPUs, in ([^)]+)\)", (run / "visionrl.log").read_text())
     assert temp and not Path(temp.group(1)).exists(), "the run's Ray temp dir was left behind"
     assert yaml.safe_load((run / "config.yaml").read_text())["resume"] == "auto"
 

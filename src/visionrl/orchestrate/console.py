@@ -1,9 +1,11 @@
 """What a run shows on the console: visionrl's own lines (the start-up phases with their times, then the progress
 line), not the libraries'.
 
-By default the libraries' output goes to the run's log file (`<output_dir>/visionrl.log`) instead: every actor's
+By default the libraries' output goes to a file of the run (`<output_dir>/libraries.log`) instead: every actor's
 stdout and stderr (vLLM's, transformers', torch's, Python's and C's, and those of the processes an actor starts),
-and in this process Ray's and Python's warnings. `--verbose` (VISIONRL_VERBOSE=1) leaves them on the console.
+the processes Ray starts, and in this process Ray's, vLLM's and Python's warnings. `visionrl.log` beside it keeps
+visionrl's own lines and the tracebacks of failures, readable (the libraries write terminal colours and progress
+bars). `--verbose` (VISIONRL_VERBOSE=1) leaves the libraries' output on the console.
 `phase` prints when a start-up phase begins and how long it took when it ends.
 """
 
@@ -17,7 +19,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-ACTOR_LOG_ENV = "VISIONRL_ACTOR_LOG"  # set for the actors: the file their output is appended to
+ACTOR_LOG_ENV = (
+    "VISIONRL_ACTOR_LOG"  # set for the actors: the file their output is appended to (libraries.log)
+)
 VERBOSE_ENV = "VISIONRL_VERBOSE"  # "1": the libraries' output stays on the console
 QUIETED = ("ray", "py.warnings", "vllm")  # this process's library loggers that go to the file
 
@@ -64,7 +68,7 @@ def libraries_to(log: Path) -> Iterator[None]:
 
 
 def quiet_actor() -> None:
-    """First thing in an actor: its stdout and stderr appended to the run's log file when the driver asked for it
+    """First thing in an actor: its stdout and stderr appended to the run's libraries.log when the driver asked for it
     (file descriptors 1 and 2, so C libraries and child processes write there too)."""
     path = os.environ.get(ACTOR_LOG_ENV)
     if not path:
@@ -83,7 +87,7 @@ def quiet_actor() -> None:
 
 @contextlib.contextmanager
 def children_to_log() -> Iterator[None]:
-    """While the block runs (unless verbose), this process's file descriptors 1 and 2 point at the run's log file,
+    """While the block runs (unless verbose), this process's file descriptors 1 and 2 point at the libraries' log,
     so the processes it starts (Ray's daemons at `ray.init`) write there for their whole life; restored after."""
     path = os.environ.get(ACTOR_LOG_ENV)
     if not path:

@@ -98,7 +98,7 @@ def train(cfg: JobConfig, resume: ResumeMode | None = None) -> TrainResult:
         atomic_write(run.config, text)
     if ckpt is None:
         run.history.unlink(missing_ok=True)
-    with run_log(run), console.libraries_to(run.log):
+    with run_log(run), console.libraries_to(run.libraries_log):
         try:
             with ray_session(cfg.ray) as session, stop_on_signals():
                 logger.debug("ray session: %s", session)

@@ -1,6 +1,6 @@
 """The Ray a run uses: a cluster it attaches to (`ray.address` / RAY_ADDRESS, waited for up to
 `ray.startup_timeout_s`), or a local Ray it starts in a temp dir and tears down at its end, every Ray process gone.
-Ray's own output goes to the run's log unless verbose (`console`)."""
+Ray's own output goes to the run's libraries.log unless verbose (`console`)."""
 
 from __future__ import annotations
 
@@ -76,13 +76,13 @@ def ray_session(cfg: RayConfig) -> Iterator[dict[str, Any]]:
     before = _descendants()
     try:
         cpus = cfg.num_cpus or os.cpu_count()
-        with console.phase(f"starting a local Ray ({cpus} CPUs)"), console.children_to_log():
+        with console.phase(f"starting a local Ray ({cpus} CPUs, in {tmp})"), console.children_to_log():
             ray.init(
                 num_cpus=cpus,
                 include_dashboard=False,
                 _temp_dir=tmp,
                 log_to_driver=True,
-                configure_logging=console.verbose(),  # else Ray's lines go to the run's log (console.libraries_to)
+                configure_logging=console.verbose(),  # else Ray's lines go to libraries.log (console.libraries_to)
                 logging_level=logging.WARNING,
             )
         yield {"mode": "embedded", "temp_dir": tmp}
