@@ -20,7 +20,7 @@ demo-judge: setup
 	@$(PY) -m visionrl.demo --judge --dir runs/demo_judge
 
 test: setup
-	@$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS)
+	@$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 $(PYTEST_ARGS)
 
 test-fast: setup
 	@$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)

@@ -27,8 +27,10 @@ SLOW_FIXTURES = frozenset(
 )
 
 
-# The files that take minutes (the learning proofs) run first: with two processes (`make test`, --dist loadfile)
-# each starts on its own process while the other works through the rest, instead of both waiting at the end.
+# The files that take minutes (the learning proofs) run first: with two processes (`make test`: --dist loadfile
+# --no-loadscope-reorder, which keeps this order; by default pytest-xdist puts the files with the most tests
+# first, so these one-test files ran last, one after the other) each starts on its own process while the other
+# works through the rest.
 LONGEST_FIRST = ("test_demo_judge_recipe.py", "test_two_images.py", "test_demo_recipe.py")
 
 
