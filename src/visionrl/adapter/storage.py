@@ -95,7 +95,7 @@ def object_store_errors(url: str | os.PathLike[str], doing: str) -> Iterator[Non
     if not is_s3(text):
         yield
         return
-    import botocore.exceptions as bx
+    import botocore.exceptions as bx  # type: ignore[import-untyped]
 
     try:
         yield
@@ -110,7 +110,7 @@ def object_store_errors(url: str | os.PathLike[str], doing: str) -> Iterator[Non
             "a profile (AWS_PROFILE), or run where an instance or pod role provides them"
         ) from None
     except PermissionError as err:  # s3fs's AccessDenied, InvalidAccessKeyId, SignatureDoesNotMatch
-        import botocore.session
+        import botocore.session  # type: ignore[import-untyped]
 
         unsigned = botocore.session.get_session().get_credentials() is None
         why = " No AWS credentials were found, so the requests went unsigned." if unsigned else ""

@@ -78,7 +78,7 @@ class ClassifierJudge:
             )
         return out
 
-    def scores(self, prompts: list[PromptItem]) -> list[float]:
+    def scores(self, prompts: list[PromptItem]) -> list[float | None]:
         """The head's value at each prompt's last token (sigmoid-squashed unless `squash: none`)."""
         import torch
 
