@@ -14,7 +14,6 @@ closed; `endpoint` calls the server. Timeouts apply to endpoint requests; in-pro
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -24,6 +23,7 @@ import yaml
 
 from visionrl.config_yaml import UniqueKeyLoader
 from visionrl.errors import InputError
+from visionrl.judge import own_judge
 from visionrl.judge.scoring import Backend, Judging
 from visionrl.rewards.combined import component_keys
 from visionrl.rewards.judge import JUDGE, JudgeSpec, judge_ask, judge_template
@@ -91,24 +91,6 @@ def engine_judge(engine: Any, processor: Any, spec: JudgeSpec) -> Backend:
     return lambda requests: engine.judge([user_prompt(processor, r.text, r.images) for r in requests], ask)
 
 
-def own_backend(spec: JudgeSpec) -> tuple[Backend, Callable[[], None]]:
-    """A judge that is not the evaluated engine: its backend and how to close it."""
-    if spec.backend == "endpoint":
-        from visionrl.judge.endpoint import EndpointJudge
-
-        endpoint = EndpointJudge(spec)
-        return endpoint.judge, endpoint.close
-    if spec.backend == "classifier":
-        from visionrl.judge.classifier import ClassifierJudge
-
-        classifier = ClassifierJudge(spec)
-        return classifier.judge, classifier.close
-    from visionrl.judge.model import ModelJudge
-
-    model = ModelJudge(spec)
-    return model.judge, model.close
-
-
 def judge_records(
     records: list[dict[str, Any]],
     prompts: list[PromptItem],
@@ -119,7 +101,6 @@ def judge_records(
 ) -> dict[str, Any]:
     """Score the answered samples of `records` with one judge: each record gets `judge[key]` (None where the
     judgement failed or the sample has no answer) and `judge_verdict[key]`; returns the judge's summary."""
-    t0 = time.perf_counter()
     answered = [i for i, r in enumerate(records) if r["error"] is None]
     judging = Judging(key, spec, backend, prompt_key, [])
     groups = [[Completion(0, [], records[i]["completion"] or "", [], "stop")] for i in answered]
@@ -143,7 +124,7 @@ def judge_records(
         "errors": scored.errors,
         "timeouts": scored.timeouts,
         "first_error": scored.first_error or None,
-        "seconds": round(time.perf_counter() - t0, 3),
+        "seconds": round(scored.seconds, 3),
     }
 
 
@@ -166,11 +147,11 @@ def run_judges(
     if others and release_engine is not None:
         release_engine()
     for key, spec in others:
-        backend, close = own_backend(spec)
+        judge = own_judge(spec)
         try:
-            out[key] = judge_records(records, prompts, key, spec, backend, prompt_key)
+            out[key] = judge_records(records, prompts, key, spec, judge.judge, prompt_key)
         finally:
-            close()
+            judge.close()
     return {key: out[key] for key, _ in judges}
 
 

@@ -74,10 +74,14 @@ def quiet_actor() -> None:
     if not path:
         return
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        _stdio_to(path)
     except OSError as err:  # the run directory not reachable from this node: keep Ray's own log files
         logger.warning("the actor's output stays in Ray's logs: %s cannot be opened here (%s)", path, err)
-        return
+
+
+def _stdio_to(path: str) -> None:
+    """File descriptors 1 and 2 of this process appended to `path` (what is buffered is written out first)."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     sys.stdout.flush()
     sys.stderr.flush()
     os.dup2(fd, 1)
@@ -93,13 +97,8 @@ def children_to_log() -> Iterator[None]:
     if not path:
         yield
         return
-    sys.stdout.flush()
-    sys.stderr.flush()
     saved = os.dup(1), os.dup(2)
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
+    _stdio_to(path)
     try:
         yield
     finally:

@@ -23,6 +23,7 @@ import ray
 from visionrl import faults
 from visionrl.config import JobConfig
 from visionrl.data.prompts import user_prompt
+from visionrl.judge import own_judge
 from visionrl.judge.scoring import Backend, JudgeScores, Judging, Raw, judge_entries
 from visionrl.orchestrate import console
 from visionrl.orchestrate.actors import memory_guard, placement, use_torch_threads, with_actor_env
@@ -127,18 +128,10 @@ class JudgeActor:
         console.quiet_actor()
         use_torch_threads(cfg)
         self.index, self.calls = index, 0
-        self.model: Any
         with memory_guard("judge", "start-up", cfg):
-            if spec.backend == "classifier":
-                from visionrl.judge.classifier import ClassifierJudge
-
-                self.model = ClassifierJudge(spec, device="cuda" if spec.num_gpus > 0 else "cpu")
-            else:
-                from visionrl.judge.model import ModelJudge
-
-                self.model = ModelJudge(
-                    spec, seed=cfg.train.seed + index, kv_cache_gib=cfg.rollout.kv_cache_gib
-                )
+            device = "cuda" if spec.num_gpus > 0 else "cpu"  # a classifier's; a vLLM engine places itself
+            seed, cache = cfg.train.seed + index, cfg.rollout.kv_cache_gib
+            self.model = own_judge(spec, seed=seed, kv_cache_gib=cache, device=device)
 
     def judge(self, requests: list[JudgeRequest]) -> Sequence[float | str | None]:
         self.calls += 1

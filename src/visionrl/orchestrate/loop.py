@@ -120,10 +120,9 @@ def _train(cfg: JobConfig, run: RunDir, ckpt: Path | None, prompts_in: PromptStr
             resumed = _resume(cfg, run, ckpt, prompts_in, tb, workers)
             loop = Loop(cfg, run, prompts_in, workers, tb, prefetch, resumed)
             for step in range(resumed + 1, cfg.train.steps + 1):
-                first = console.phase(
-                    f"step {step}, the first of this run (the engines' kernels warm up)", "done"
-                )
-                with first if step == resumed + 1 else contextlib.nullcontext():
+                first = step == resumed + 1
+                what = f"step {step}, the first of this run (the engines' kernels warm up)"
+                with console.phase(what, "done") if first else contextlib.nullcontext():
                     at_target = loop.step(step)
                 if at_target:
                     break  # two evaluations in a row at the target

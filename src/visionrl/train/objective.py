@@ -86,10 +86,10 @@ def micro_batch_loss(
         tau_neg=algo.tau_neg,
         **norms,
     )
-    total, terms = loss, {tags.LOSS_POLICY: loss.detach(), tags.LOSS_KL: torch.zeros((), device=lp.device)}
+    total, kl = loss, torch.zeros((), device=lp.device)
     if ref_lp is not None:
         kl = aggregate(kl_penalty(lp, ref_lp, algo.kl_kind), mask, algo.loss_aggregation, **norms)
-        total, terms[tags.LOSS_KL] = total + algo.kl_coef * kl, kl.detach()
+        total = total + algo.kl_coef * kl
     if algo.entropy_coef > 0:  # the entropy bonus; otherwise entropy is only reported
         total = total - algo.entropy_coef * aggregate(entropy, mask, algo.loss_aggregation, **norms)
     with torch.no_grad():
@@ -107,7 +107,7 @@ def micro_batch_loss(
         )
         if policy_can_move(algo):
             means[tags.APPROX_KL] = pm["approx_kl"]
-    return MicroBatchLoss(total, terms, means, peaks)
+    return MicroBatchLoss(total, {tags.LOSS_POLICY: loss.detach(), tags.LOSS_KL: kl.detach()}, means, peaks)
 
 
 def _correction(
