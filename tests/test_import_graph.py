@@ -32,10 +32,11 @@ LAYERS: Floors = [
     (
         "config",
         (
-            "visionrl.config", "visionrl.config_algorithm", "visionrl.config_placement", "visionrl.config_ray",
+            "visionrl.config", "visionrl.config_algorithm", "visionrl.config_logging", "visionrl.config_placement", "visionrl.config_ray",
             "visionrl.config_rollout", "visionrl.config_yaml",
         ),
     ),
+    ("trackers", ("visionrl.trackers",)),
     ("adapter", ("visionrl.adapter",)),
     ("models", ("visionrl.models",)),
     ("engines and learner", ("visionrl.rollout", "visionrl.train")),

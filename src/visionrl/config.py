@@ -16,6 +16,7 @@ import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from visionrl.config_algorithm import AlgorithmConfig
+from visionrl.config_logging import LoggingConfig
 from visionrl.config_placement import PlacementPlan, plan_placement
 from visionrl.config_ray import RayConfig
 from visionrl.config_rollout import RolloutConfig
@@ -228,15 +229,6 @@ class TrainConfig(Section):
         if not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError("each of train.betas must lie in [0, 1), e.g. [0.9, 0.999]")
         return betas
-
-
-class LoggingConfig(Section):
-    log_every: int = Field(1, ge=1, description="Scalars every N steps.")
-    eval_every: int = Field(10, ge=1, description="Held-out evaluation every N steps (and at the end).")
-    save_every: int = Field(50, ge=1, description="Checkpoint every N steps (and at the end).")
-    images_every: int = Field(10, ge=1, description="Rollout picture grid in TensorBoard every N steps.")
-    num_images: int = Field(4, ge=1, le=32, description="Rollouts per picture grid.")
-    keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept on disk (oldest removed first).")
 
 
 class JobConfig(Section):

@@ -7,6 +7,9 @@ writes them: the loop, checkpoints, export, evaluation and the demo.
       visionrl.log         the run's log lines and the full tracebacks of failed actors (appended)
       libraries.log        what the libraries wrote (vLLM, Ray, transformers, torch), unless --verbose (appended)
       tensorboard/         event files
+      trackers.json        the MLflow / W&B runs this run writes to (a resumed run continues them)
+      mlflow/              MLflow's database and artifacts, when no tracking server is set
+      wandb/               W&B's offline runs
       checkpoints/step_N/  atomic checkpoints (see visionrl.checkpoint)
       adapter/             the final PEFT adapter with visionrl_manifest.json
       eval/*.json          evaluation reports (+ .md twins)
@@ -23,6 +26,8 @@ HISTORY = "history.jsonl"
 RUN_LOG = "visionrl.log"
 LIBRARIES_LOG = "libraries.log"
 TENSORBOARD_DIR = "tensorboard"
+TRACKERS = "trackers.json"
+MLFLOW_DIR = "mlflow"
 CHECKPOINTS_DIR = "checkpoints"
 ADAPTER_DIR = "adapter"
 EVAL_DIR = "eval"
@@ -64,6 +69,14 @@ class RunDir:
     @property
     def tensorboard(self) -> Path:
         return self.root / TENSORBOARD_DIR
+
+    @property
+    def trackers(self) -> Path:
+        return self.root / TRACKERS
+
+    @property
+    def mlflow(self) -> Path:
+        return self.root / MLFLOW_DIR
 
     @property
     def checkpoints(self) -> Path:

@@ -6,6 +6,7 @@ import json
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ import torch
 from visionrl.config import JobConfig, config_from_dict
 from visionrl.data import load_dataset
 from visionrl.data.prompts import build_prompt
-from visionrl.metrics import REQUIRED_HISTOGRAMS, REQUIRED_SCALARS, read_scalars, read_tags
+from visionrl.metrics import REQUIRED_HISTOGRAMS, REQUIRED_SCALARS, SAMPLES_IMAGE, read_scalars, read_tags
 from visionrl.models.sequences import Sequence
 from visionrl.train.learner import Learner, TrainBatch
 from visionrl.types import SamplingSpec
@@ -114,7 +115,11 @@ def test_two_steps_through_ray_write_the_tensorboard_tags_and_resume(
 ) -> None:
     from visionrl.orchestrate.loop import train
 
-    small = {"rollout": {"prompts_per_step": 4}, "data": {"max_eval_samples": 8}}  # 4 x 8 completions a step
+    small: dict[str, Any] = {
+        "rollout": {"prompts_per_step": 4},
+        "data": {"max_eval_samples": 8},
+    }  # 4 x 8 a step
+    small["logging"] = {"trackers": ["tensorboard", "mlflow", "wandb"]}  # the same tags in each
     cfg = _cfg(tiny_model, color_data, tmp_path / "run", **small)
     result = train(cfg)
     # A quiet console: the libraries' output (vLLM's warnings and bars, the actors' stderr) is in libraries.log
@@ -138,6 +143,7 @@ def test_two_steps_through_ray_write_the_tensorboard_tags_and_resume(
         (2, 1.0),
     ]  # step 2 sampled with the adapter of step 1
     assert scalars["rollout/logprob_diff"][-1][1] < 1e-3
+    _the_same_in_mlflow_and_wandb(tmp_path / "run", scalars, steps=[1, 2])
     adapter = result.adapter_dir
     manifest = json.loads((adapter / "visionrl_manifest.json").read_text())
     assert set(manifest["files"]) >= {"adapter_config.json", "adapter_model.safetensors"}
@@ -146,6 +152,30 @@ def test_two_steps_through_ray_write_the_tensorboard_tags_and_resume(
     resumed = train(_cfg(tiny_model, color_data, tmp_path / "run", train={"steps": 3}, **small), resume=True)
     assert [h["step"] for h in resumed.history] == [3]
     assert resumed.history[0]["rollout/adapter_version"] == 2.0
+    _the_same_in_mlflow_and_wandb(
+        tmp_path / "run", read_scalars(tmp_path / "run" / "tensorboard"), steps=[1, 2, 3]
+    )
+
+
+def _the_same_in_mlflow_and_wandb(run: Path, scalars: dict[str, list], steps: list[int]) -> None:
+    """MLflow's run and W&B's offline run hold TensorBoard's scalar tags at the same steps, and the pictures."""
+    from mlflow import MlflowClient
+    from tests.wandb_records import history, run_ids
+
+    ids = json.loads((run / "trackers.json").read_text())
+    client = MlflowClient(tracking_uri=f"sqlite:///{(run / 'mlflow' / 'mlflow.db').resolve()}")
+    mlflow_run = client.get_run(ids["mlflow"]["run_id"])
+    assert mlflow_run.info.status == "FINISHED"
+    assert set(scalars) <= set(mlflow_run.data.metrics)
+    assert [m.step for m in client.get_metric_history(mlflow_run.info.run_id, "reward/mean")] == steps
+    assert client.list_artifacts(mlflow_run.info.run_id, "images")
+    rows = history(run)
+    assert set(scalars) <= {key for row in rows for key in row}
+    assert [r["step"] for r in rows if "reward/mean" in r] == steps
+    assert [r["reward/mean"] for r in rows if "reward/mean" in r] == pytest.approx(
+        [v for _, v in scalars["reward/mean"]]
+    )
+    assert any(SAMPLES_IMAGE in r for r in rows) and run_ids(run) == {ids["wandb"]["id"]}
 
 
 def _library_line(line: str) -> bool:

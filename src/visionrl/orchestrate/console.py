@@ -23,7 +23,14 @@ ACTOR_LOG_ENV = (
     "VISIONRL_ACTOR_LOG"  # set for the actors: the file their output is appended to (libraries.log)
 )
 VERBOSE_ENV = "VISIONRL_VERBOSE"  # "1": the libraries' output stays on the console
-QUIETED = ("ray", "py.warnings", "vllm")  # this process's library loggers that go to the file
+QUIETED = (
+    "ray",
+    "py.warnings",
+    "vllm",
+    "mlflow",
+    "alembic",
+    "wandb",
+)  # this process's library loggers that go to the file
 
 logger = logging.getLogger(__name__)
 

@@ -45,7 +45,7 @@ from visionrl.config import JobConfig, dump_config
 from visionrl.errors import InputError, Preempted, RunError, storage_errors
 from visionrl.files import atomic_write
 from visionrl.judge.scoring import judge_entries
-from visionrl.metrics import MetricsWriter, Progress
+from visionrl.metrics import Progress
 from visionrl.models.sequences import Sequence
 from visionrl.orchestrate import console, preemption
 from visionrl.orchestrate.actors import check_gpu_requests, start_actors
@@ -63,6 +63,7 @@ from visionrl.orchestrate.step_log import StepClock, step_metrics, write_step
 from visionrl.orchestrate.workers import Synced, Workers
 from visionrl.rollout.scratch import remove_orphaned_scratch
 from visionrl.run_layout import RunDir
+from visionrl.trackers import RunTrackers, open_trackers
 from visionrl.train.learner import TrainBatch
 from visionrl.types import Completion, PromptItem, SamplingSpec
 
@@ -114,7 +115,9 @@ def train(cfg: JobConfig, resume: ResumeMode | None = None) -> TrainResult:
 
 def _train(cfg: JobConfig, run: RunDir, ckpt: Path | None, prompts_in: PromptStream) -> TrainResult:
     # rollout.async_steps: the next step's batch, collected while the learner trains (orchestrate.pipeline)
-    with MetricsWriter(run.tensorboard) as tb, Prefetch[Collected]() as prefetch:
+    with console.children_to_log():  # W&B's service process writes to the libraries' log
+        trackers = open_trackers(cfg, run, resumed=ckpt is not None)
+    with trackers as tb, Prefetch[Collected]() as prefetch:
         workers = _start_workers(cfg, run, prompts_in)
         try:
             resumed = _resume(cfg, run, ckpt, prompts_in, tb, workers)
@@ -171,7 +174,7 @@ def _resume(
     run: RunDir,
     ckpt: Path | None,
     prompts_in: PromptStream,
-    tb: MetricsWriter,
+    tb: RunTrackers,
     workers: Workers,
 ) -> int:
     """The run resumed from `ckpt` if given; returns the step resumed from (0: a fresh run)."""
@@ -192,7 +195,7 @@ class Loop:
         run: RunDir,
         prompts_in: PromptStream,
         workers: Workers,
-        tb: MetricsWriter,
+        tb: RunTrackers,
         prefetch: Prefetch[Collected],
         resumed: int,
     ) -> None:

@@ -17,11 +17,11 @@ from visionrl.algo import group_stats
 from visionrl.config import JobConfig
 from visionrl.data.prompts import question_text
 from visionrl.errors import StorageError
-from visionrl.metrics import MetricsWriter
 from visionrl.orchestrate.failures import resume_hint
 from visionrl.pictures import RolloutSample
 from visionrl.rewards import RewardResult
 from visionrl.run_layout import RunDir
+from visionrl.trackers import RunTrackers
 from visionrl.types import Completion, PromptItem
 
 
@@ -97,7 +97,7 @@ def step_metrics(
 
 
 def write_step(
-    tb: MetricsWriter,
+    tb: RunTrackers,
     run: RunDir,
     step: int,
     m: dict[str, Any],
