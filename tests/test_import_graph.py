@@ -32,13 +32,14 @@ LAYERS: Floors = [
     (
         "config",
         (
-            "visionrl.config", "visionrl.config_algorithm", "visionrl.config_logging", "visionrl.config_placement", "visionrl.config_ray",
+            "visionrl.config", "visionrl.config_algorithm", "visionrl.config_env", "visionrl.config_logging", "visionrl.config_placement", "visionrl.config_ray",
             "visionrl.config_rollout", "visionrl.config_yaml",
         ),
     ),
     ("trackers", ("visionrl.trackers",)),
     ("adapter", ("visionrl.adapter",)),
     ("models", ("visionrl.models",)),
+    ("environments", ("visionrl.envs",)),
     ("engines and learner", ("visionrl.rollout", "visionrl.train")),
     ("evaluation and serving", ("visionrl.eval", "visionrl.serve", "visionrl.judge")),
     ("orchestration", ("visionrl.orchestrate",)),

@@ -16,6 +16,7 @@ import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from visionrl.config_algorithm import AlgorithmConfig
+from visionrl.config_env import EnvConfig
 from visionrl.config_logging import LoggingConfig
 from visionrl.config_placement import PlacementPlan, plan_placement
 from visionrl.config_ray import RayConfig
@@ -240,7 +241,11 @@ class JobConfig(Section):
     model: ModelConfig
     lora: LoraConfig = Field(default_factory=LoraConfig)
     data: DataConfig
-    rewards: list[RewardConfig] = Field(min_length=1, description="Reward functions; total = weighted sum.")
+    rewards: list[RewardConfig] = Field(
+        description="Reward functions; total = weighted sum (episodes: of the final turn, plus the env's step "
+        "rewards; `rewards: []` for the env's alone)."
+    )
+    env: EnvConfig | None = Field(None, description="Multi-turn episodes (visionrl.envs); none: one turn.")
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
@@ -257,7 +262,9 @@ class JobConfig(Section):
 
     @model_validator(mode="after")
     def validate_some_reward_counts(self) -> JobConfig:
-        if self.rewards and all(r.weight == 0 for r in self.rewards):
+        if not self.rewards and self.env is None:
+            raise ValueError("rewards: list at least one reward (`rewards: []` only with an env, whose steps reward)")
+        if self.rewards and all(r.weight == 0 for r in self.rewards) and self.env is None:
             raise ValueError(
                 "every reward has weight 0, so every completion scores 0 and no group has a signal to train on; "
                 "give at least one reward (rewards[].weight) a non-zero weight"

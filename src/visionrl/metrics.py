@@ -117,6 +117,22 @@ DATA_SKIPPED_AT_LOAD = "data/skipped_at_load"  # training records dropped for a 
 DATA_SKIPPED_MIDRUN = "data/skipped_midrun"  # records whose image failed to decode during the run, so far
 REWARD_HIST = "reward/hist"
 LENGTH_HIST = "response/length_hist"
+# multi-turn episodes (visionrl.envs): per step
+EPISODE_PREFIX = "episode/"
+EPISODE_TURNS = "episode/turns_mean"  # model turns per episode
+EPISODE_ENV_REWARD = "episode/env_reward_mean"  # the environment's step rewards summed per episode
+EPISODE_IMAGES = "episode/images_mean"  # images per episode, the prompt's included
+EPISODE_ENV_TOKENS = (
+    "episode/env_token_fraction"  # share of an episode's tokens the environment wrote (not trained)
+)
+EPISODE_REPLAY_MISMATCHES = (
+    "episode/replay_mismatches"  # episodes whose one-piece re-render differs from the tokens
+)
+EPISODE_ENDED_PREFIX = (
+    "episode/ended_"  # + why: done, max_turns, truncated, error, timeout, too_long, max_images
+)
+TIMING_ENV = "timing/env_s"  # part of timing/rollout_s: waiting on the environments
+
 SAMPLES_PREFIX = "samples/"
 SAMPLES_IMAGE = SAMPLES_PREFIX + "rollouts"
 SAMPLES_TABLE = SAMPLES_PREFIX + "table"

@@ -15,13 +15,18 @@ from PIL import Image
 
 @dataclass
 class PromptItem:
-    """One prompt of a step: the chat-templated text (image placeholders not yet expanded) and its images."""
+    """One prompt of a step: the chat-templated text (image placeholders not yet expanded) and its images.
+
+    A multi-turn episode's prompt also carries `token_ids`: the conversation so far as the engine reads it (one
+    `<|image_pad|>` per image, not expanded; engines and the learner expand them), with `images` every image of
+    it in order. Engines then read `token_ids` instead of `text` (no re-tokenisation of earlier turns)."""
 
     text: str
     images: list[Image.Image]
     answer: Any = None
     record: dict[str, Any] = field(default_factory=dict)
     sample_id: str = ""
+    token_ids: list[int] | None = None
 
 
 @dataclass
@@ -47,6 +52,13 @@ class Completion:
     logprobs: list[float]
     finish_reason: str  # "stop" (end of sequence) or "length" (hit max_tokens)
     adapter_version: int = 0
+    # A multi-turn episode (visionrl.envs): `token_ids` holds every turn after the prompt, the environment's tokens
+    # between them (one <|image_pad|> per observation image); `env_mask[i]` is True where the environment wrote
+    # token i (its log-prob is NaN: never trained, never counted); `images` the observations' images in order;
+    # `text` the final turn's text (what the job's rewards score); `episode` its turns, returns and how it ended.
+    env_mask: list[bool] | None = None
+    images: list[Image.Image] = field(default_factory=list)
+    episode: dict[str, Any] | None = None
 
     @property
     def truncated(self) -> bool:

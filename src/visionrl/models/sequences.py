@@ -43,6 +43,8 @@ class EncodedPrompt:
     mm_token_type_ids: torch.Tensor  # [P] long: 0 text, 1 image, 2 video
     pixel_values: torch.Tensor | None  # [num_patches, patch_dim]
     image_grid_thw: torch.Tensor | None  # [num_images, 3]
+    # an episode: the merged tokens of each image its completion shows (observations), after the prompt's own
+    later_image_tokens: list[int] | None = None
 
 
 @dataclass
@@ -56,16 +58,27 @@ class Sequence:
     adapter_version: int | None = None  # the version that sampled it (None: the learner's current one)
     # tokens the rollout correction's mask mode leaves out of the loss (None: none), set before the update
     masked: list[bool] | None = None
+    # a multi-turn episode: True where the environment wrote the token (observations, tool results, template
+    # glue), never in the loss nor its token counts; and the modality of each completion token (1: an image's)
+    env_mask: list[bool] | None = None
+    completion_mm: list[int] | None = None
 
     def scored(self) -> torch.Tensor:
         """[k] bool: the completion tokens in the loss (and in its normalisers): those with a finite sampling
-        log-prob and not `masked`. A token the engine returned none for (NaN) stays in the context but leaves
-        the loss: as the old policy it would make the whole update NaN."""
+        log-prob, not `masked` and not the environment's. A token the engine returned none for (NaN) stays in
+        the context but leaves the loss: as the old policy it would make the whole update NaN."""
         k = len(self.completion_ids)
         keep = torch.isfinite(torch.tensor(self.sampling_logprobs[:k], dtype=torch.float32))
-        if self.masked is not None:
-            keep &= ~torch.tensor(self.masked[:k], dtype=torch.bool)
+        for drop in (self.masked, self.env_mask):
+            if drop is not None:
+                keep &= ~torch.tensor(drop[:k], dtype=torch.bool)
         return keep
+
+    def sampled_ids(self) -> list[int]:
+        """The completion tokens the model sampled (an episode's environment tokens left out)."""
+        if self.env_mask is None:
+            return self.completion_ids
+        return [t for t, env in zip(self.completion_ids, self.env_mask, strict=True) if not env]
 
 
 @dataclass
@@ -96,7 +109,9 @@ class MicroBatch:
 def without_tokens(seqs: list[Sequence], token_ids: set[int]) -> tuple[list[Sequence], int]:
     """The sequences whose completions hold none of `token_ids`, and how many were left out. A sampled vision
     token would be read as a placeholder for image features that do not exist, which fails the whole forward."""
-    kept = [s for s in seqs if token_ids.isdisjoint(s.completion_ids)]
+    kept = [
+        s for s in seqs if token_ids.isdisjoint(s.sampled_ids())
+    ]  # an observation's image tokens are real
     return kept, len(seqs) - len(kept)
 
 
@@ -153,6 +168,8 @@ def collate(
             lps = torch.tensor(s.sampling_logprobs[:k], dtype=torch.float32)
             comp_mask[b, :k] = s.scored().float()  # no log-prob, or masked by the correction: not in the loss
             samp[b, :k] = lps.nan_to_num(0.0)
+            if s.completion_mm is not None:  # an episode: its observations' image tokens
+                mm_types[b, n : n + k] = torch.tensor(s.completion_mm[:k], dtype=torch.long)
         if ep.pixel_values is not None and ep.image_grid_thw is not None:
             grids.append(ep.image_grid_thw)
             key = s.prompt if share_images else -1 - b  # without sharing every row is its own source

@@ -9,6 +9,7 @@ GPUs of their own) and applied here.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 from collections.abc import Callable, Iterator
@@ -175,7 +176,7 @@ class RolloutActor:
                 forbidden_token_ids=forbidden,
                 dtype=cfg.model.dtype,
                 seed=seed,
-                budget=ImageBudget.of(cfg.data),
+                budget=engine_budget(cfg),
             )
 
     def generate(self, prompts: list[PromptItem], spec: SamplingSpec) -> list[list[Completion]]:
@@ -239,6 +240,14 @@ class RewardActor:
 
     def placement(self) -> dict[str, Any]:
         return placement()
+
+
+def engine_budget(cfg: JobConfig) -> ImageBudget:
+    """The engines' image budget: the data's, with room for an episode's images (env.max_images)."""
+    budget = ImageBudget.of(cfg.data)
+    if cfg.env is not None and cfg.env.max_images > budget.max_images:
+        budget = dataclasses.replace(budget, max_images=cfg.env.max_images)
+    return budget
 
 
 def placement() -> dict[str, Any]:

@@ -14,6 +14,7 @@ from visionrl import metrics as tags
 from visionrl.algo import groups_with_signal
 from visionrl.config import JobConfig
 from visionrl.errors import RunError
+from visionrl.orchestrate.episodes import EpisodeBatch
 from visionrl.orchestrate.prompt_stream import PromptStream
 from visionrl.orchestrate.step_log import StepClock
 from visionrl.orchestrate.workers import Workers
@@ -35,8 +36,12 @@ class Collected:
     skipped: int = 0  # prompts the engines rejected (left out of the step, never failing it)
     # rollout and reward times when collected ahead (async), else in the step's own clock
     timing: dict[str, float] = field(default_factory=dict)
+    # multi-turn episodes: each episode's own prompt for the learner ([group][member]), the episode metrics
+    train_prompts: list[list[PromptItem]] | None = None
+    episode_metrics: dict[str, float] = field(default_factory=dict)
 
 
+ENV_COMPONENT = "env"  # the environment's step rewards as a reward component (multi-turn episodes)
 MAX_REJECTED_BATCHES = 3  # batches in a row whose every prompt the engines rejected before the run stops
 
 
@@ -54,11 +59,17 @@ def collect(
     completions: list[list[Completion]] = []
     parts: list[RewardResult] = []
     keep: list[bool] = []
+    episodes: list[EpisodeBatch] = []
     skipped = empty = r = 0
     while r < rounds_max:
         batch = prompts_in.next_batch()  # 1. sample prompts
-        with clock("rollout"):  # 2. rollout with the current adapter
-            groups = workers.rollout(batch, replace(spec, seed=None if spec.seed is None else spec.seed + r))
+        round_spec = replace(spec, seed=None if spec.seed is None else spec.seed + r)
+        with clock("rollout"):  # 2. rollout with the current adapter (multi-turn: whole episodes)
+            if workers.episodes is not None:
+                episodes.append(workers.episodes.run(batch, workers.rollout, round_spec))
+                batch, groups = episodes[-1].prompts, episodes[-1].completions
+            else:
+                groups = workers.rollout(batch, round_spec)
         batch, groups, rejected = _without_rejected(batch, groups)
         skipped += rejected
         if not batch:
@@ -70,8 +81,10 @@ def collect(
                 )
             continue
         empty, r = 0, r + 1
-        with clock("reward"):  # 3. reward
-            scores = workers.score(batch, groups)
+        with clock("reward"):  # 3. reward (multi-turn: the final turn's, plus the environment's)
+            scores = workers.score(batch, groups) if cfg.rewards else _no_rewards(len(batch) * G)
+            if episodes:
+                scores = with_env_returns(scores, episodes[-1])
         rewards = torch.tensor(scores.total, dtype=torch.float32)
         signal = (
             groups_with_signal(rewards, G)
@@ -94,7 +107,35 @@ def collect(
         torch.tensor(keep, dtype=torch.bool),
         r,
         skipped,
+        train_prompts=[p for e in episodes for p in e.train_prompts] if episodes else None,
+        episode_metrics=merge_episode_metrics([e.metrics for e in episodes]),
     )
+
+
+def _no_rewards(n: int) -> RewardResult:
+    """The job's rewards when it lists none (an environment's rewards only)."""
+    return RewardResult(total=[0.0] * n, per_reward={})
+
+
+def with_env_returns(scores: RewardResult, episodes: EpisodeBatch) -> RewardResult:
+    """The job's rewards on each episode's final turn plus its environment's step rewards (`env` component); an
+    episode whose environment failed scores 0."""
+    env = [c.episode["env_reward"] if c.episode else 0.0 for group in episodes.completions for c in group]
+    failed = [f for group in episodes.failed for f in group]
+    total = [0.0 if bad else t + e for t, e, bad in zip(scores.total, env, failed, strict=True)]
+    return replace(scores, total=total, per_reward={**scores.per_reward, ENV_COMPONENT: env})
+
+
+def merge_episode_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
+    """The episode metrics of a step's sampling rounds as one: means averaged, counts and seconds summed."""
+    if len(parts) <= 1:
+        return parts[0] if parts else {}
+    out: dict[str, float] = {}
+    for key in {k for p in parts for k in p}:
+        values = [p.get(key, 0.0) for p in parts]
+        averaged = key.endswith(("_mean", "_fraction"))
+        out[key] = sum(values) / len(values) if averaged else sum(values)
+    return out
 
 
 def collect_ahead(

@@ -65,7 +65,7 @@ from visionrl.rollout.scratch import remove_orphaned_scratch
 from visionrl.run_layout import RunDir
 from visionrl.trackers import RunTrackers, open_trackers
 from visionrl.train.learner import TrainBatch
-from visionrl.types import Completion, PromptItem, SamplingSpec
+from visionrl.types import Completion, SamplingSpec
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +151,9 @@ def _start_workers(cfg: JobConfig, run: RunDir, prompts_in: PromptStream) -> Wor
         if judge_entries(cfg):
             with console.phase("starting the judges"):
                 workers.attach_judges(prompts_in.processor)  # a job's `judge` rewards, their actors started
+        if cfg.env is not None:
+            with console.phase(f"starting {cfg.env.num_workers} env worker(s) ({cfg.env.name})"):
+                workers.attach_envs(prompts_in.processor)  # multi-turn episodes (orchestrate.episodes)
     except BaseException as err:
         workers.kill()
         if isinstance(err, Preempted):
@@ -229,7 +232,7 @@ class Loop:
         adv = group_advantages(
             shaped, G, scale=cfg.algorithm.advantage_scale, eps=cfg.algorithm.advantage_std_eps
         )  # 4.
-        batch = _train_batch(got.prompts, got.completions, adv, got.keep, G, cfg.algorithm.mask_truncated)
+        batch = _train_batch(got, adv, G, cfg.algorithm.mask_truncated)
         with clock("update"):  # 5. learner update
             stats = self.workers.update(batch) if batch.sequences else {}
         self.mismatch.check(step, stats.get(tags.LOGPROB_DIFF))  # the engine sampled the policy being trained
@@ -285,6 +288,7 @@ class Loop:
             **self.prompts_in.data_metrics(),
             **self.clock.metrics(),
             **got.timing,  # a prefetched batch's rollout and reward times
+            **got.episode_metrics,  # multi-turn episodes
         }
 
     def _log_evaluate_save(self, step: int, got: Collected, m: dict[str, Any]) -> bool:
@@ -366,29 +370,33 @@ def _sampling_spec(cfg: JobConfig) -> SamplingSpec:
     )
 
 
-def _train_batch(
-    prompts: list[PromptItem],
-    completions: list[list[Completion]],
-    adv: torch.Tensor,
-    keep: torch.Tensor,
-    G: int,
-    mask_truncated: bool = False,
-) -> TrainBatch:
+def _train_batch(got: Collected, adv: torch.Tensor, G: int, mask_truncated: bool = False) -> TrainBatch:
     """Flatten the kept groups into sequences (each names its prompt); with `mask_truncated` the completions cut
-    at max_new_tokens stay out of the loss (their rewards already counted in the group's advantages)."""
-    seqs = [
-        Sequence(
-            prompt=i,
-            completion_ids=c.token_ids,
-            advantage=float(adv[i * G + j]),
-            sampling_logprobs=c.logprobs,
-            adapter_version=c.adapter_version,
-        )
-        for i, group in enumerate(completions)
-        if keep[i]
-        for j, c in enumerate(group)
-        if not (mask_truncated and c.truncated)
-    ]
+    at max_new_tokens stay out of the loss (their rewards already counted in the group's advantages). Multi-turn
+    episodes each bring their own prompt (their tokens, every image of the episode) and environment mask; an
+    episode without a turn (its reset failed) has nothing to train."""
+    prompts = list(got.prompts)
+    seqs = []
+    for i, group in enumerate(got.completions):
+        if not got.keep[i]:
+            continue
+        for j, c in enumerate(group):
+            if (mask_truncated and c.truncated) or (c.env_mask is not None and not c.token_ids):
+                continue
+            index = i
+            if got.train_prompts is not None:  # an episode: its own prompt
+                index = len(prompts)
+                prompts.append(got.train_prompts[i][j])
+            seqs.append(
+                Sequence(
+                    prompt=index,
+                    completion_ids=c.token_ids,
+                    advantage=float(adv[i * G + j]),
+                    sampling_logprobs=c.logprobs,
+                    adapter_version=c.adapter_version,
+                    env_mask=c.env_mask,
+                )
+            )
     return TrainBatch(prompts=prompts, sequences=seqs)
 
 

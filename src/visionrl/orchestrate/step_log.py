@@ -63,7 +63,7 @@ def step_metrics(
     """The step's metrics of its rollouts (rewards, lengths, groups with signal, reward failures) and of the
     learner's `stats` (its tags; zeros where no update ran); `n_kept` groups went into the update."""
     flat = [c for group in completions for c in group]
-    lengths = torch.tensor([len(c.token_ids) for c in flat], dtype=torch.float32)
+    lengths = torch.tensor([sampled_tokens(c) for c in flat], dtype=torch.float32)
     gs = group_stats(rewards, G)
     m: dict[str, float] = {
         tags.REWARD_MEAN: float(rewards.mean()),
@@ -96,6 +96,11 @@ def step_metrics(
     return m
 
 
+def sampled_tokens(c: Completion) -> int:
+    """The tokens the model sampled (an episode's turns; not the environment's tokens between them)."""
+    return len(c.token_ids) - (sum(c.env_mask) if c.env_mask is not None else 0)
+
+
 def write_step(
     tb: RunTrackers,
     run: RunDir,
@@ -116,7 +121,7 @@ def write_step(
         if step % cfg.logging.log_every == 0:
             tb.scalars(step, m)
             tb.histogram(step, tags.REWARD_HIST, rewards)
-            tb.histogram(step, tags.LENGTH_HIST, [len(c.token_ids) for g in completions for c in g])
+            tb.histogram(step, tags.LENGTH_HIST, [sampled_tokens(c) for g in completions for c in g])
             if scores.seconds:
                 tb.histogram(
                     step, tags.JUDGE_HIST, [x for key in scores.seconds for x in scores.per_reward[key]]

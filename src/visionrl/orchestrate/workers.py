@@ -29,6 +29,8 @@ from visionrl.orchestrate.delivery import (
     diffs_by_engine,
     scoring_batch,
 )
+from visionrl.orchestrate.env_workers import EnvPool
+from visionrl.orchestrate.episodes import EpisodeRunner
 from visionrl.orchestrate.failures import resume_hint
 from visionrl.orchestrate.judging import join_scores, start_judges
 from visionrl.orchestrate.learners import CALL_KEY, LearnerGroup
@@ -103,6 +105,7 @@ class Workers:
         self.engines, self.rewards, self.cfg = engines, rewards, cfg
         self._eval_reward: CombinedReward | None = None
         self.judges: list[Judging] = []  # the job's judge rewards (`attach_judges`)
+        self.episodes: EpisodeRunner | None = None  # multi-turn episodes (`attach_envs`)
         self.restarts = 0
         self._probe_prompts: list[PromptItem] = []  # set by verify_delivery
         self._rebuilds = [0] * len(engines)  # each engine's rebuilds after internal errors, as last seen
@@ -110,6 +113,11 @@ class Workers:
     def attach_judges(self, processor: Any) -> None:
         """Start the job's judges (`processor`: the policy's, for the engine backend); none when it has no judge."""
         self.judges = start_judges(self.cfg, self.engines, processor)
+
+    def attach_envs(self, processor: Any) -> None:
+        """Start the env workers of the job's `env` and the runner of its episodes (`processor`: the policy's)."""
+        assert self.cfg.env is not None
+        self.episodes = EpisodeRunner(self.cfg, processor, EnvPool(self.cfg.env))
 
     def _get(self, calls: list[Call], phase: str, interruptible: bool = False) -> list[Any]:
         return gather(calls, phase, self.cfg.ray.call_timeout_s, CALL_KEY, interruptible)
@@ -417,8 +425,15 @@ class Workers:
 
     def kill(self) -> None:
         """Stop every actor of the run at once (the end of `close`, or a failed run)."""
+        envs = self.episodes.pool.actors if self.episodes is not None else []
         kill_actors(
-            [*self.learners.actors, *self.engines, *self.rewards, *(a for j in self.judges for a in j.actors)]
+            [
+                *self.learners.actors,
+                *self.engines,
+                *self.rewards,
+                *(a for j in self.judges for a in j.actors),
+                *envs,
+            ]
         )
 
 

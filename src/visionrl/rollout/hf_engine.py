@@ -12,11 +12,18 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+from transformers import BatchFeature
 
 from visionrl import faults
 from visionrl.config import LoraConfig
 from visionrl.data.images import ImageBudget
 from visionrl.models.loader import apply_lora, load_base_model, load_processor
+from visionrl.models.token_prompts import (
+    check_image_count,
+    encode_images,
+    expand_placeholders,
+    image_token_id,
+)
 from visionrl.rollout.probe import PROBE_TOKENS, as_a_faulty_engine_applies, probe_result
 from visionrl.rollout.rejects import generate_skipping
 from visionrl.types import (
@@ -178,9 +185,7 @@ class HFEngine:
                 raise ValueError(
                     f"prompt {p.sample_id!r} has {len(p.images)} images, over the limit of {self.budget.max_images}"
                 )
-        texts = [p.text for p in prompts]
-        images = [img for p in prompts for img in p.images] or None
-        enc = self.processor(text=texts, images=images, return_tensors="pt", padding=True).to(self.device)
+        enc = self._encode(prompts).to(self.device)
         gen_kwargs: dict[str, Any] = {
             "max_new_tokens": spec.max_tokens,
             "num_return_sequences": spec.n,
@@ -216,6 +221,37 @@ class HFEngine:
             text = self.processor.tokenizer.decode(ids, skip_special_tokens=True)
             results[i].append(Completion(i, ids, text, lp, finish, adapter_version=self._version))
         return results
+
+    def _encode(self, prompts: list[PromptItem]) -> Any:
+        """The batch as the model reads it, left-padded: text prompts through the processor; with an episode's
+        token prompt among them, every prompt's tokens with their placeholders expanded (`models.token_prompts`)."""
+        if all(p.token_ids is None for p in prompts):
+            texts = [p.text for p in prompts]
+            images = [img for p in prompts for img in p.images] or None
+            return self.processor(text=texts, images=images, return_tensors="pt", padding=True)
+        pad_image = image_token_id(self.processor)
+        rows, pixels, grids = [], [], []
+        for p in prompts:
+            ids = p.token_ids
+            if ids is None:
+                ids = self.processor.tokenizer(p.text, add_special_tokens=False)["input_ids"]
+            check_image_count(ids, p.images, pad_image)
+            encoded = encode_images(self.processor, p.images)
+            rows.append(expand_placeholders(ids, encoded.tokens, pad_image)[0])
+            if encoded.pixel_values is not None and encoded.image_grid_thw is not None:
+                pixels.append(encoded.pixel_values)
+                grids.append(encoded.image_grid_thw)
+        width = max(len(r) for r in rows)
+        input_ids = torch.tensor([[self.pad_id] * (width - len(r)) + r for r in rows], dtype=torch.long)
+        attention = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long)
+        batch = {
+            "input_ids": input_ids,
+            "attention_mask": attention,
+            "mm_token_type_ids": (input_ids == pad_image).long() * attention,
+        }
+        if pixels:
+            batch.update(pixel_values=torch.cat(pixels), image_grid_thw=torch.cat(grids))
+        return BatchFeature(batch)
 
     def _trim(self, ids: list[int]) -> tuple[list[int], str]:
         """Cut at the first end-of-sequence token (kept, as vLLM does); the rest is padding."""

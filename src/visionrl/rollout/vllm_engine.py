@@ -310,10 +310,17 @@ class VLLMEngine:
 
     @staticmethod
     def _inputs(prompts: list[PromptItem]) -> list[dict[str, Any]]:
-        return [
-            {"prompt": p.text, "multi_modal_data": {"image": p.images}} if p.images else {"prompt": p.text}
-            for p in prompts
-        ]
+        """vLLM's inputs: the text, or an episode's token ids (one placeholder per image: vLLM expands them as it
+        does a text prompt's, docs/ENGINE_NOTES.md), with the images."""
+        out = []
+        for p in prompts:
+            item: dict[str, Any] = (
+                {"prompt": p.text} if p.token_ids is None else {"prompt_token_ids": p.token_ids}
+            )
+            if p.images:
+                item["multi_modal_data"] = {"image": p.images}
+            out.append(item)
+        return out
 
     def _run(self, inputs: list[dict[str, Any]], params: Any, lora: Any) -> list[Any]:
         try:

@@ -41,6 +41,7 @@ from visionrl.models.loader import (
 from visionrl.models.sequences import EncodedPrompt, MicroBatch, Sequence, collate, without_tokens
 from visionrl.train import learner_state
 from visionrl.train.batching import NO_GRAD_BATCH_TOKENS, plan_micro_batches
+from visionrl.train.encoding import encode_prompts, episodes_expanded
 from visionrl.train.forward import SharedImages, compile_decoder_layers, compiled_graphs, completion_stats
 from visionrl.train.masking import loss_tokens, masks_before_update, with_correction_masks
 from visionrl.train.mismatch import (
@@ -111,30 +112,7 @@ class Learner:
 
     # ------------------------------------------------------------------ encoding and log-probs
     def encode_prompts(self, prompts: list[PromptItem]) -> list[EncodedPrompt]:
-        out = []
-        for p in prompts:
-            enc = self.processor(text=[p.text], images=p.images or None, return_tensors="pt")
-            mm = enc.get("mm_token_type_ids")
-            out.append(
-                EncodedPrompt(
-                    input_ids=enc["input_ids"][0],
-                    mm_token_type_ids=mm[0] if mm is not None else self._mm_types(enc["input_ids"][0]),
-                    pixel_values=enc.get("pixel_values"),
-                    image_grid_thw=enc.get("image_grid_thw"),
-                )
-            )
-        return out
-
-    def _mm_types(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The modality of each token (0 text, 1 image, 2 video) where the processor gives none: M-RoPE places
-        image tokens by it, so zeros would silently give them text positions."""
-        config = self.model.get_base_model().config
-        types = torch.zeros_like(input_ids)
-        for kind, key in ((1, "image_token_id"), (2, "video_token_id")):
-            token = getattr(config, key, None)
-            if token is not None:
-                types[input_ids == token] = kind
-        return types
+        return encode_prompts(self.processor, self.model.get_base_model().config, prompts)
 
     def _stats(self, mb: MicroBatch, temperature: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs and entropies [B, T] of the micro-batch's completion tokens under the sampling distribution
@@ -171,9 +149,14 @@ class Learner:
     ) -> list[list[float]]:
         """Log-probs of every sequence's completion tokens (with the adapter, or the base model), at the sampling
         temperature unless `temperature` is given."""
-        seqs, encoded = batch.sequences, self.encode_prompts(batch.prompts)
+        encoded = self.encode_prompts(batch.prompts)
+        seqs, positions = episodes_expanded(self.processor, encoded, batch.sequences)
         store = self._precompute(encoded, seqs, range(len(seqs)), adapter, temperature)
-        return [store[row][: len(seq.completion_ids)].tolist() for row, seq in enumerate(seqs)]
+        out = []
+        for row, (seq, where) in enumerate(zip(seqs, positions, strict=True)):
+            values = store[row][: len(seq.completion_ids)]
+            out.append((values if where is None else values[torch.tensor(where, dtype=torch.long)]).tolist())
+        return out  # per token of each sequence as sent (an episode's placeholders not expanded)
 
     def _micro_batches(
         self, encoded: list[EncodedPrompt], seqs: list[Sequence], rows: Any, budget: int | None = None
@@ -197,6 +180,7 @@ class Learner:
         if not seqs:  # nothing left to train on: no update, the adapter version stays
             return {tags.VISION_TOKENS_SAMPLED: float(vision), "updates": 0.0, tags.SKIPPED_UPDATES: 0.0}
         encoded = self.encode_prompts(batch.prompts)
+        seqs, _ = episodes_expanded(self.processor, encoded, seqs)
         minis, shards = self._plan_mini_batches(encoded, seqs)
         t1 = time.perf_counter()
         later = [r for rows in shards[1:] for r in rows]  # this rank's, of the mini-batches after the first

@@ -1,0 +1,175 @@
+"""Multi-turn episodes (`env` in the job file): the G episodes of each record of a step, generated turn by turn.
+
+All live episodes of the step go to the engines together at each turn (each engine continues its episodes from
+their token ids: nothing earlier is re-tokenised; with prefix caching the engine does not re-encode earlier turns),
+then the environments step all of them at once in the env workers. An episode ends when its environment says
+done, at `env.max_turns`, when a turn is cut by max_new_tokens, when its next turn would not fit
+`rollout.max_model_len` or its images `env.max_images`, or when its environment fails (reward 0). Every ending is
+counted (`episode/ended_*`), and every finished episode is re-rendered in one piece by the chat template and
+compared with its tokens (`episode/replay_mismatches`)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, replace
+from typing import Any
+
+from visionrl import metrics as tags
+from visionrl.config import JobConfig
+from visionrl.data.images import fit_to_processor
+from visionrl.data.prompts import question_text
+from visionrl.envs.base import Observation, StepResult
+from visionrl.envs.registry import tool_schemas
+from visionrl.envs.trajectory import ChatGlue, Episode, message, replay_mismatch
+from visionrl.models.token_prompts import encode_images
+from visionrl.orchestrate.env_workers import EnvFailure, EnvPool
+from visionrl.types import Completion, PromptItem, SamplingSpec
+
+logger = logging.getLogger(__name__)
+FAILED = ("error", "timeout")  # endings whose episode scores 0
+
+
+@dataclass
+class EpisodeBatch:
+    """A step's episodes: per record the first episode's prompt (scoring, pictures), the G episodes as
+    completions, each episode's own prompt for the learner, and the step's episode metrics."""
+
+    prompts: list[PromptItem]
+    completions: list[list[Completion]]
+    train_prompts: list[list[PromptItem]]
+    failed: list[list[bool]]
+    metrics: dict[str, float]
+
+
+class EpisodeRunner:
+    def __init__(self, cfg: JobConfig, processor: Any, pool: EnvPool) -> None:
+        assert cfg.env is not None
+        self.cfg, self.env, self.processor, self.pool = cfg, cfg.env, processor, pool
+        self.glue = ChatGlue(processor, tool_schemas(cfg.env))
+
+    def run(self, records: list[PromptItem], rollout: Any, spec: SamplingSpec) -> EpisodeBatch:
+        """The episodes of `records` (G each); `rollout(prompts, spec)` is the engines' generate."""
+        G = spec.n
+        episodes = self._start(records, G)
+        env_s = 0.0
+        for turn in range(self.env.max_turns):
+            live = [e for e in episodes if not e.done]
+            for e in live:
+                if e.tokens() + spec.max_tokens > self.cfg.rollout.max_model_len:
+                    e.end("too_long")
+            live = [e for e in live if not e.done]
+            if not live:
+                break
+            seed = None if spec.seed is None else spec.seed + 7919 * turn
+            groups = rollout([e.engine_prompt() for e in live], replace(spec, n=1, seed=seed))
+            acting = []
+            for e, group in zip(live, groups, strict=True):
+                if not group:  # the engine refused the prompt (too long for it, too many images)
+                    e.end("too_long")
+                    continue
+                e.add_turn(group[0], group[0].text)
+                if group[0].finish_reason == "length":
+                    e.end("truncated")
+                else:
+                    acting.append(e)
+            t0 = time.perf_counter()
+            results = self.pool.step([(e.key, e.last_text) for e in acting]) if acting else []
+            env_s += time.perf_counter() - t0
+            for e, result in zip(acting, results, strict=True):
+                self._after_step(e, result)
+        for e in episodes:
+            e.end("max_turns")
+        self.pool.close([e.key for e in episodes])
+        return self._batch(records, episodes, G, env_s)
+
+    def _start(self, records: list[PromptItem], G: int) -> list[Episode]:
+        """One episode per record and member, reset in the env workers; a failed reset ends it at once."""
+        keys = [
+            (f"{i}:{p.sample_id}:{j}:{time.monotonic_ns()}", i, j)
+            for i, p in enumerate(records)
+            for j in range(G)
+        ]
+        items = [(key, self._env_record(records[i])) for key, i, _ in keys]
+        observations = self.pool.reset(items)
+        episodes = []
+        for (key, i, j), obs in zip(keys, observations, strict=True):
+            if isinstance(obs, EnvFailure):
+                episode = self._episode(
+                    key, i, j, records[i], Observation(records[i].text, records[i].images)
+                )
+                episode.end(obs.kind)
+                logger.warning("environment reset failed for %s: %s", records[i].sample_id, obs.message)
+            else:
+                episode = self._episode(key, i, j, records[i], obs)
+            episodes.append(episode)
+        return episodes
+
+    def _env_record(self, p: PromptItem) -> dict[str, Any]:
+        """What `Env.reset` gets: the record as read, with its question's text, its images loaded and its answer."""
+        return {**p.record, "prompt": question_text(p.record, self.cfg.data.prompt_key), "images": p.images,
+                "answer": p.answer}  # fmt: skip
+
+    def _episode(self, key: str, group: int, member: int, record: PromptItem, obs: Observation) -> Episode:
+        images = [fit_to_processor(img, self.processor) for img in obs.images][: self.env.max_images]
+        messages = []
+        if self.cfg.data.system_prompt:
+            messages.append(message("system", self.cfg.data.system_prompt))
+        messages.append(message("user", obs.text, len(images)))
+        text = self.glue.render(messages, generation=True)
+        prompt = PromptItem(
+            text=text, images=images, answer=record.answer, record=record.record, sample_id=record.sample_id,
+            token_ids=self.glue.ids(messages, generation=True),
+        )  # fmt: skip
+        episode = Episode(key, group, member, prompt, messages, prompt_pad=self.glue.image_pad)
+        episode.image_tokens = sum(encode_images(self.processor, images).tokens)
+        return episode
+
+    def _after_step(self, e: Episode, result: StepResult | EnvFailure) -> None:
+        if isinstance(result, EnvFailure):
+            e.env_reward = 0.0
+            e.end(result.kind)
+            e.infos.append({"failure": result.message})
+            return
+        e.env_reward += float(result.reward)
+        e.infos.append(result.info)
+        if result.done or result.observation is None:
+            e.end("done")
+            return
+        if e.turns >= self.env.max_turns:
+            e.end("max_turns")
+            return
+        obs = result.observation
+        images = [fit_to_processor(img, self.processor) for img in obs.images]
+        if len(e.prompt.images) + len(e.images) + len(images) > self.env.max_images:
+            e.end("max_images")
+            return
+        obs = replace(obs, images=images)
+        e.add_observation(
+            obs, self.glue.observation_ids(obs), sum(encode_images(self.processor, images).tokens)
+        )
+
+    def _batch(
+        self, records: list[PromptItem], episodes: list[Episode], G: int, env_s: float
+    ) -> EpisodeBatch:
+        groups = [episodes[i * G : (i + 1) * G] for i in range(len(records))]
+        mismatches = sum(replay_mismatch(self.glue, e) for e in episodes if e.turns)
+        ended = Counter(e.ended for e in episodes)
+        tokens = sum(len(e.ids) for e in episodes)
+        m = {
+            tags.EPISODE_TURNS: sum(e.turns for e in episodes) / len(episodes),
+            tags.EPISODE_ENV_REWARD: sum(e.env_reward for e in episodes) / len(episodes),
+            tags.EPISODE_IMAGES: sum(len(e.prompt.images) + len(e.images) for e in episodes) / len(episodes),
+            tags.EPISODE_ENV_TOKENS: sum(sum(e.env_mask) for e in episodes) / max(tokens, 1),
+            tags.EPISODE_REPLAY_MISMATCHES: float(mismatches),
+            tags.TIMING_ENV: env_s,
+            **{f"{tags.EPISODE_ENDED_PREFIX}{why}": float(n) for why, n in ended.items()},
+        }
+        return EpisodeBatch(
+            prompts=[g[0].prompt for g in groups],
+            completions=[[e.completion() for e in g] for g in groups],
+            train_prompts=[[e.train_prompt() for e in g] for g in groups],
+            failed=[[e.ended in FAILED for e in g] for g in groups],
+            metrics=m,
+        )
