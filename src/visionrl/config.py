@@ -263,7 +263,9 @@ class JobConfig(Section):
     @model_validator(mode="after")
     def validate_some_reward_counts(self) -> JobConfig:
         if not self.rewards and self.env is None:
-            raise ValueError("rewards: list at least one reward (`rewards: []` only with an env, whose steps reward)")
+            raise ValueError(
+                "rewards: list at least one reward (`rewards: []` only with an env, whose steps reward)"
+            )
         if self.rewards and all(r.weight == 0 for r in self.rewards) and self.env is None:
             raise ValueError(
                 "every reward has weight 0, so every completion scores 0 and no group has a signal to train on; "

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from visionrl.config import config_from_dict
-from visionrl.orchestrate.collect import collect
+from visionrl.orchestrate.collect import Collected, collect
 from visionrl.orchestrate.loop import _train_batch, evaluations_so_far
 from visionrl.orchestrate.step_log import StepClock, step_metrics
 from visionrl.rewards import RewardResult
@@ -55,6 +55,7 @@ class _FakeWorkers:
     ) -> None:
         self.pattern = pattern
         self.rejected = rejected  # prompt indices the engine rejects (no completions)
+        self.episodes = None  # single-turn
 
     def rollout(self, prompts: list[PromptItem], spec) -> list[list[Completion]]:
         return [
@@ -109,9 +110,7 @@ def test_collect_with_dynamic_sampling_samples_until_the_step_is_full_of_signal(
     assert [p.text for p in got.prompts] == ["p0", "p1", "p2", "p3"]
     assert got.keep.tolist() == [False, True, False, True]
     assert got.rewards.tolist() == [1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 0.0]  # metrics see every sampled group
-    batch = _train_batch(
-        got.prompts, got.completions, torch.tensor([0.0, 0, 0.7, -0.7, 0, 0, 0.7, -0.7]), got.keep, 2
-    )
+    batch = _train_batch(got, torch.tensor([0.0, 0, 0.7, -0.7, 0, 0, 0.7, -0.7]), 2)
     assert [s.prompt for s in batch.sequences] == [1, 1, 3, 3]
     assert [s.advantage for s in batch.sequences] == pytest.approx([0.7, -0.7, 0.7, -0.7])
 
@@ -229,8 +228,9 @@ def test_mask_truncated_leaves_cut_completions_out_of_the_loss() -> None:
     adv = torch.arange(6, dtype=torch.float32)
     keep = torch.ones(3, dtype=torch.bool)
     prompts = [PromptItem(text=f"p{i}", images=[]) for i in range(3)]
-    full = _train_batch(prompts, _groups(), adv, keep, 2)
-    masked = _train_batch(prompts, _groups(), adv, keep, 2, mask_truncated=True)
+    got = Collected(prompts, _groups(), RewardResult(total=[0.0] * 6, per_reward={}), torch.zeros(6), keep, 1)
+    full = _train_batch(got, adv, 2)
+    masked = _train_batch(got, adv, 2, mask_truncated=True)
     assert len(full.sequences) == 6
     # the one completion that hit max_tokens (prompt 2, second sample, advantage 5) is left out
     assert [s.advantage for s in masked.sequences] == [0.0, 1.0, 2.0, 3.0, 4.0]

@@ -1,0 +1,77 @@
+"""Multi-turn episodes through the real loop (Ray actors, env workers, the pre-trained tiny Qwen3-VL): vLLM continues
+each episode from its token ids, image observations included, and the learner scores exactly what it sampled; the
+environment's tokens stay out of the loss and the counts; a failing or slow environment ends its episodes only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from tests.integration.small_job import small_job
+
+from visionrl import metrics as tags
+from visionrl.metrics import read_scalars
+
+pytestmark = pytest.mark.slow
+
+
+def test_episodes_with_image_observations_train_token_exact_on_vllm(
+    pretrained_tiny_model: Path, color_data: Path, tmp_path: Path, shared_ray
+) -> None:
+    from visionrl.orchestrate.loop import train
+
+    cfg = small_job(
+        pretrained_tiny_model,
+        color_data,
+        tmp_path / "run",
+        env={"name": "tests.envs.sample_envs:RetryColour", "max_turns": 3},
+        rewards=[],  # the environment's rewards only
+        rollout={"engine": "vllm", "prompts_per_step": 4, "max_new_tokens": 3, "max_model_len": 512},
+        logging={"save_every": 100, "images_every": 1, "eval_every": 100},
+    )
+    result = train(cfg)
+    for h in result.history:
+        ended = {k: v for k, v in h.items() if k.startswith(tags.EPISODE_ENDED_PREFIX)}
+        assert sum(ended.values()) == 16  # 4 records x 4 episodes, each ended once, for a reason
+        assert set(ended) <= {f"{tags.EPISODE_ENDED_PREFIX}{w}" for w in ("done", "max_turns")}
+        assert 1.0 <= h[tags.EPISODE_TURNS] <= 3.0
+        assert h[tags.EPISODE_REPLAY_MISMATCHES] == 0.0  # the tokens are the conversation, rendered whole
+        # vLLM sampled every turn after the observations' images; the learner scores the same tokens the same
+        assert h[tags.LOGPROB_DIFF] < 1e-3
+        # rewards: 1 right at once, 0.5 right at the second try, 0 else (the environment's only)
+        assert h[tags.REWARD_MEAN] == pytest.approx(h[tags.EPISODE_ENV_REWARD])
+        assert h[tags.EPISODE_IMAGES] == pytest.approx(h[tags.EPISODE_TURNS])  # one picture per turn
+    # episodes that needed a second try hold environment tokens, which are neither trained nor counted
+    assert any(h[tags.EPISODE_ENV_TOKENS] > 0 for h in result.history)
+    assert all(h["learner/tokens"] == h[tags.RESPONSE_TOKENS] for h in result.history)
+    scalars = read_scalars(tmp_path / "run" / "tensorboard")
+    assert [s for s, _ in scalars[tags.EPISODE_TURNS]] == [1, 2]
+
+
+def test_a_failing_or_slow_environment_ends_only_its_episodes(
+    pretrained_tiny_model: Path, color_data: Path, tmp_path: Path, shared_ray
+) -> None:
+    from visionrl.orchestrate.loop import train
+
+    cfg = small_job(
+        pretrained_tiny_model,
+        color_data,
+        tmp_path / "run",
+        env={
+            "name": "tests.envs.sample_envs:Failing",
+            "max_turns": 2,
+            "step_timeout_s": 2.0,
+            "num_workers": 2,
+        },
+        data={"train": str(color_data / "train.jsonl"), "balance_key": "answer"},
+        rollout={"engine": "hf", "prompts_per_step": 8, "max_new_tokens": 3, "max_model_len": 512},
+        train={"steps": 1},
+        logging={"save_every": 100, "images_every": 100, "eval_every": 100},
+    )
+    result = train(cfg)
+    h = result.history[0]
+    # red's environment raises, blue's sleeps past the deadline: 4 episodes each (balanced records), reward 0
+    assert h[f"{tags.EPISODE_ENDED_PREFIX}error"] >= 4 and h[f"{tags.EPISODE_ENDED_PREFIX}timeout"] >= 4
+    others = sum(v for k, v in h.items() if k.startswith(tags.EPISODE_ENDED_PREFIX))
+    assert others == 32
+    assert result.steps == 1
