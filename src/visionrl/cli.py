@@ -75,6 +75,13 @@ def _cmd_make_data(args: argparse.Namespace) -> int:
         from visionrl.data.easy_vqa import write_easy_vqa
 
         summary = write_easy_vqa(args.dir, args.num_train, args.num_eval, args.seed, args.question_type)
+    elif args.task == "zoom":  # pictures of their own size, a question per record
+        from visionrl.data.zoom import make_zoom_dataset
+
+        train = 512 if args.num_train is None else args.num_train
+        summary = make_zoom_dataset(
+            args.dir, train, 128 if args.num_eval is None else args.num_eval, args.seed
+        )
     else:
         from visionrl.data.synthetic import make_dataset
 

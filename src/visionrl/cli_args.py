@@ -183,10 +183,11 @@ def init_tiny_model_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument(
         "--recipe",
         default="color",
-        choices=["color", "same_color", "easy-vqa", "judge-color"],
+        choices=["color", "same_color", "easy-vqa", "judge-color", "zoom"],
         help="the task the pre-trained base is made for: it answers that task in format, at chance "
         "(easy-vqa also adds the data set's words to the tokenizer); judge-color makes a tiny judge instead, "
-        "which answers yes or no to configs/judges/color_match.txt (a `judge` reward's model)",
+        "which answers yes or no to configs/judges/color_match.txt (a `judge` reward's model); zoom: a base that "
+        "calls the crop tool (on a random quadrant) and reads the colour of what it gets back",
     )
     sp.add_argument(
         "--score-head",
@@ -201,7 +202,7 @@ def make_data_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument(
         "--task",
         required=True,
-        help="synthetic: color | count | position | sides | same_color (two images); "
+        help="synthetic: color | count | position | sides | same_color (two images) | zoom (a detail to crop); "
         "easy-vqa: the easy-VQA data set (pip install easy-vqa)",
     )
     sp.add_argument(

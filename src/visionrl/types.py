@@ -27,6 +27,9 @@ class PromptItem:
     record: dict[str, Any] = field(default_factory=dict)
     sample_id: str = ""
     token_ids: list[int] | None = None
+    # the images as loaded, before the pixel budget: what an environment's `reset` gets (set for multi-turn jobs
+    # only, which may crop them: `build_prompt(keep_source=True)`); never sent to an engine
+    source_images: list[Image.Image] = field(default_factory=list)
 
 
 @dataclass

@@ -24,9 +24,12 @@ def with_system_prompt(messages: list[dict[str, Any]], system_prompt: str | None
     return messages
 
 
-def build_prompt(sample: Sample, processor: Any, system_prompt: str | None = None) -> PromptItem:
+def build_prompt(
+    sample: Sample, processor: Any, system_prompt: str | None = None, keep_source: bool = False
+) -> PromptItem:
     """The chat-templated prompt text (one image placeholder per image; processors expand them) and the
-    images resized into the processor's pixel bounds (`visionrl.data.images.fit_to_processor`)."""
+    images resized into the processor's pixel bounds (`visionrl.data.images.fit_to_processor`); with
+    `keep_source` the images as loaded too (an environment crops them: `PromptItem.source_images`)."""
     text = processor.apply_chat_template(
         prompt_messages(sample, system_prompt), add_generation_prompt=True, tokenize=False
     )
@@ -37,6 +40,7 @@ def build_prompt(sample: Sample, processor: Any, system_prompt: str | None = Non
         answer=sample.answer,
         record=record,
         sample_id=sample.id,
+        source_images=list(sample.images) if keep_source else [],
     )
 
 

@@ -300,7 +300,7 @@ def make_dataset(
     being {"file", "num_samples", "answer_counts": {answer: count}}.
     """
     if task not in TASKS:
-        raise InputError(f"unknown synthetic task {task!r}; choose one of: {', '.join(TASKS)}")
+        raise InputError(f"unknown synthetic task {task!r}; choose one of: {', '.join([*TASKS, 'zoom'])}")
     for name, num in (("num_train", num_train), ("num_eval", num_eval)):
         if num < 0:
             raise InputError(f"{name} must be >= 0, got {num}")

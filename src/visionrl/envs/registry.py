@@ -30,7 +30,11 @@ def tool_schemas(env: Any) -> list[dict[str, Any]] | None:
 
 def env_factory(env: Any) -> Callable[[], Env]:
     """A function that makes one episode's environment (checked once here: a bad name fails at start)."""
-    if env.name in ("tools", "calculator", "zoom"):
+    if env.name == "zoom":
+        from visionrl.envs.zoom import ZoomEnv
+
+        return lambda: ZoomEnv(**env.kwargs)
+    if env.name in ("tools", "calculator"):
         tools = {name: fn for name, fn, _ in _tools(env)}
         if not tools:
             raise ValueError("env: the tools environment needs env.tools (name and package.module:function)")

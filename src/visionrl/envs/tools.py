@@ -71,6 +71,7 @@ def parse_tool_calls(text: str) -> list[tuple[str, dict[str, Any]] | str]:
         except json.JSONDecodeError as err:
             calls.append(f"the tool call is not JSON ({err.msg})")
             continue
+        call = _stripped(call)
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             calls.append('a tool call needs {"name": ..., "arguments": {...}}')
             continue
@@ -83,8 +84,15 @@ def parse_tool_calls(text: str) -> list[tuple[str, dict[str, Any]] | str]:
         if not isinstance(arguments, dict):
             calls.append(f"the arguments of {call['name']} must be an object")
             continue
-        calls.append((call["name"].strip(), arguments))
+        calls.append((call["name"].strip(), _stripped(arguments)))
     return calls
+
+
+def _stripped(value: Any) -> Any:
+    """Keys and strings without surrounding spaces: a word-level tokenizer decodes `{"x1": 1}` as `{" x1 ": 1}`."""
+    if isinstance(value, dict):
+        return {str(k).strip(): _stripped(v) for k, v in value.items()}
+    return value.strip() if isinstance(value, str) else value
 
 
 class ToolEnv(Env):

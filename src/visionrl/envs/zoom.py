@@ -11,8 +11,8 @@ from typing import Any
 
 from PIL import Image
 
-SCALE = 1000  # coordinates are 0..SCALE of the width and height
-MIN_SIDE = 4  # pixels: a crop smaller than this is refused (nothing to see)
+from visionrl.data.zoom import crop_region
+from visionrl.envs.tools import ToolEnv
 
 
 def crop(x1: int, y1: int, x2: int, y2: int, episode: dict[str, Any]) -> Image.Image:
@@ -20,15 +20,21 @@ def crop(x1: int, y1: int, x2: int, y2: int, episode: dict[str, Any]) -> Image.I
     images = episode["images"]
     if not images:
         raise ValueError("there is no picture to crop")
-    picture = images[0]
-    coords = [float(v) for v in (x1, y1, x2, y2)]
-    if not all(0 <= v <= SCALE for v in coords):
-        raise ValueError(f"coordinates run from 0 to {SCALE}")
-    a, b, c, d = coords
-    if c <= a or d <= b:
-        raise ValueError("x2 must exceed x1 and y2 must exceed y1")
-    w, h = picture.size
-    box = (round(a * w / SCALE), round(b * h / SCALE), round(c * w / SCALE), round(d * h / SCALE))
-    if box[2] - box[0] < MIN_SIDE or box[3] - box[1] < MIN_SIDE:
-        raise ValueError(f"the box is smaller than {MIN_SIDE} pixels")
-    return picture.crop(box)
+    return crop_region(images[0], x1, y1, x2, y2)
+
+
+class ZoomEnv(ToolEnv):
+    """The `zoom` environment: the record's question and picture, and the `crop` tool. `tool: whole` makes the
+    tool answer every crop with the whole picture (the control of the zoom demo: the tool is called as usual but
+    shows nothing new)."""
+
+    def __init__(self, tool: str = "crop") -> None:
+        if tool not in ("crop", "whole"):
+            raise ValueError(f"zoom env: tool must be crop or whole, not {tool!r}")
+        super().__init__({"crop": crop if tool == "crop" else _whole})
+
+
+def _whole(x1: int, y1: int, x2: int, y2: int, episode: dict[str, Any]) -> Image.Image:
+    """Crop the picture to the box (x1, y1)-(x2, y2), coordinates 0-1000 (control: returns the whole picture)."""
+    crop(x1, y1, x2, y2, episode)  # the same errors for a bad box
+    return episode["images"][0]

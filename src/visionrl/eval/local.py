@@ -33,6 +33,7 @@ from visionrl.adapter.files import (
 from visionrl.adapter.manifest import read_local_budget
 from visionrl.adapter.resolve import resolve_adapter
 from visionrl.config import LoraConfig, RolloutConfig
+from visionrl.config_env import EnvConfig
 from visionrl.data.images import ImageBudget
 from visionrl.data.layouts import Layout
 from visionrl.errors import InputError
@@ -200,6 +201,7 @@ def evaluate_local(
     budget: ImageBudget | None = None,
     layout: Layout | None = None,
     judges: Judges | None = None,
+    env: EnvConfig | None = None,
 ) -> dict[str, Any]:
     """Evaluate `base` (+ `adapter`) on `data` with a local engine ("vllm" or "hf"); write and return the report.
     `judges` (`eval --judge`, `visionrl.eval.judged`) score the answers too: backend engine on this engine with
@@ -207,6 +209,10 @@ def evaluate_local(
 
     Images are resized into `budget`; without one, into the budget the adapter was trained with (its
     manifest), else the default budget. A prompt the engine rejects is a failed record.
+
+    With `env` (a job's `env` section) each prompt is played as one greedy multi-turn episode with that
+    environment (in this process) and its final turn is the answer (`visionrl.eval.episodes`); the report's
+    `episodes` holds the episodes' metrics.
 
     `rewards` are reward names (default ["exact_match"]), each of weight 1. Bad inputs (missing data file or
     adapter, unknown reward or engine, a base directory that is not a Qwen3-VL checkpoint) raise InputError
@@ -229,7 +235,9 @@ def evaluate_local(
         budget = budget or (read_local_budget(adapter_dir) if adapter_dir else None) or ImageBudget()
         processor = load_processor(base, budget)
         samples = load_dataset(data, max_samples=max_samples, layout=layout)
-        prompts = settings.prompts([build_prompt(sample, processor) for sample in samples])
+        prompts = settings.prompts(
+            [build_prompt(sample, processor, keep_source=env is not None) for sample in samples]
+        )
         forbidden = vision_token_ids(AutoConfig.from_pretrained(base), processor)
         with closing(_build_engine(engine, base, adapter_cfg, forbidden, budget, seed)) as runner:
             if adapter_dir is not None:
@@ -242,9 +250,13 @@ def evaluate_local(
                 partial(engine_judge, runner, processor),
                 runner.close,
             )
+            generate = partial(generate_answers, runner, prompts, max_tokens=max_tokens)
+            episodes: dict[str, float] = {}
+            if env is not None:
+                generate = partial(_episodes, runner, prompts, env, processor, max_tokens, episodes)
             return settings.report(
                 prompts,
-                partial(generate_answers, runner, prompts, max_tokens=max_tokens),
+                generate,
                 reward_fn,
                 judge=judge,
                 model=base if adapter_dir is None else f"{base} + {adapter_dir}",
@@ -253,5 +265,26 @@ def evaluate_local(
                     "adapter": None if adapter_dir is None else str(adapter_dir),
                     "engine": engine,
                     "images": budget.as_dict(),
+                    **({"env": env.model_dump(mode="json"), "episodes": episodes} if env is not None else {}),
                 },
             )
+
+
+def _episodes(
+    engine: RolloutEngine,
+    prompts: list[PromptItem],
+    env: EnvConfig,
+    processor: Any,
+    max_tokens: int,
+    metrics: dict[str, float],
+) -> list[Generation]:
+    """Greedy episodes with `env` in this process; their metrics put into `metrics`."""
+    from visionrl.config_rollout import RolloutConfig
+    from visionrl.envs.episodes import EpisodeRunner
+    from visionrl.envs.pool import LocalEnvs
+    from visionrl.eval.episodes import episode_answers
+
+    runner = EpisodeRunner(env, processor, LocalEnvs(env), max_model_len=RolloutConfig().max_model_len)
+    answers, got = episode_answers(engine, prompts, runner, max_tokens=max_tokens)
+    metrics.update(got)
+    return answers

@@ -92,5 +92,9 @@ def ablate(prompts: list[PromptItem], seed: int) -> list[PromptItem]:
             j = rng.randrange(k)
             source[k], source[j] = source[j], source[k]
         for target, src in zip(members, source, strict=True):
-            out[target] = replace(prompts[target], images=list(prompts[src].images))
+            out[target] = replace(
+                prompts[target],
+                images=list(prompts[src].images),
+                source_images=list(prompts[src].source_images),
+            )
     return out

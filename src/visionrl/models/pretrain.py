@@ -27,6 +27,7 @@ TRUE_LABEL_TASKS = ("position", "count", "sides")
 RANDOM_LABEL_TASK = "color"
 EASY_VQA = "easy-vqa"
 JUDGE_COLOR = "judge-color"
+ZOOM = "zoom"
 # The tiny judge's question (a `judge` reward template); configs/judges/color_match.txt holds the same text.
 COLOR_MATCH_TEMPLATE = (
     "Question: {question}\nProposed answer: {completion}\n"
@@ -37,7 +38,7 @@ COLOR_MATCH_TEMPLATE = (
 # 0.88 after 300; with six times a task's examples the colour lesson drowned, and the judge told red from yellow
 # no better than chance: agreement 0.86).
 JUDGE_EXAMPLES_PER_TASK = 2
-RECIPE_STEPS = {JUDGE_COLOR: 900}
+RECIPE_STEPS = {JUDGE_COLOR: 900, "zoom": 600}
 RECIPE_LR = {JUDGE_COLOR: 1e-3}
 # The same lesson from the same seed gave judges from 0.5 to 1.0 (the share of pictures whose four colours are all
 # judged right) at 600 or 900 steps at lr 2e-3, and the judge built by one version of this file was not the next
@@ -47,6 +48,9 @@ RECIPE_LR = {JUDGE_COLOR: 1e-3}
 # JUDGE_VALIDATION pictures of its own (never the demo's held-out set) and the best weights are kept
 # (benchmarks/NOTES-demo-judge.md).
 JUDGE_SELECT_FROM, JUDGE_SELECT_EVERY, JUDGE_VALIDATION = 450, 50, 64
+# The zoom base's examples that teach the call (31 tokens each, so a share of 0.3 still weighs most in the loss);
+# the others teach reading the crop (one colour word).
+ZOOM_CALL_SHARE = 0.3
 PROGRESS_EVERY = 100  # a progress line every this many steps (init-tiny-model, the demo)
 # Which tasks a base learns with true labels and which only in format (random labels), per task a GRPO run
 # then has to learn. "color" is the demo's base. For the two-image `same_color` task the base reads colours
@@ -62,6 +66,10 @@ RECIPES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     # A tiny judge (the `judge` reward's model): it reads colours, and answers yes or no to "is this answer the colour
     # of the shape?" asked through COLOR_MATCH_TEMPLATE, with true labels.
     JUDGE_COLOR: ((*TRUE_LABEL_TASKS, "color", JUDGE_COLOR), ()),
+    # The zoom task's base: it reads colours (the colour task, and the crop the tool returns: the colour of the
+    # square it shows), and calls the crop tool in Qwen's format, on a quadrant drawn at RANDOM: which quadrant the
+    # question asks for is left to GRPO (docs: README, multi-turn episodes).
+    ZOOM: (("color", ZOOM), ()),
 }
 
 
@@ -88,6 +96,9 @@ def _examples(
             continue
         if name == JUDGE_COLOR:
             out.extend(_judge_examples(rng, JUDGE_EXAMPLES_PER_TASK * num_per_task, image_size))
+            continue
+        if name == ZOOM:
+            out.extend(_zoom_examples(rng, 2 * num_per_task))
             continue
         task = TASKS[name]
         for answer in balanced_answers(rng, task.answers, num_per_task):
@@ -129,6 +140,45 @@ def _judge_examples(
     return out
 
 
+def _zoom_examples(rng: random.Random, num: int) -> list[tuple[Any, list[Image.Image], str]]:
+    """The zoom base's lesson, at the zoom demo's pixel budget: ZOOM_CALL_SHARE of the examples the first turn (the
+    picture and the question, then a crop call on a random quadrant: the format only), the others the second (after
+    a crop call on a random quadrant and the crop the tool returned, the colour of the square in that crop: true
+    labels)."""
+    from visionrl.data.images import ImageBudget, fit_image
+    from visionrl.data.zoom import (
+        CROP_BOXES,
+        QUADRANTS,
+        QUESTION,
+        ZOOM_BUDGET,
+        crop_call,
+        crop_region,
+        render_zoom,
+    )
+
+    budget = ImageBudget(max_pixels=ZOOM_BUDGET, min_pixels=min(ZOOM_BUDGET, 1024))
+    out: list[tuple[Any, list[Image.Image], str]] = []
+    for answer in balanced_answers(rng, tuple(TASKS["color"].answers), num):
+        where, called = rng.choice(QUADRANTS), rng.choice(QUADRANTS)
+        picture, meta = render_zoom(rng, answer, where)
+        whole = fit_image(picture, budget, 32)
+        question = {
+            "role": "user",
+            "content": [{"type": "image"}, {"type": "text", "text": QUESTION.format(where=where)}],
+        }
+        if rng.random() < ZOOM_CALL_SHARE:
+            out.append(([question], [whole], crop_call(called)))
+            continue
+        region = fit_image(crop_region(picture, *CROP_BOXES[called]), budget, 32)
+        turns = [
+            question,
+            {"role": "assistant", "content": [{"type": "text", "text": crop_call(called)}]},
+            {"role": "tool", "content": [{"type": "image"}]},
+        ]
+        out.append((turns, [whole, region], meta["colors"][called]))
+    return out
+
+
 def _easy_vqa_examples(rng: random.Random, num: int) -> list[tuple[str, list[Image.Image], str]]:
     from visionrl.data.easy_vqa import format_examples
 
@@ -139,9 +189,13 @@ def _easy_vqa_examples(rng: random.Random, num: int) -> list[tuple[str, list[Ima
     return out
 
 
-def _encode(processor: Any, question: str, images: list[Image.Image]) -> EncodedPrompt:
-    content = [*({"type": "image"} for _ in images), {"type": "text", "text": question}]
-    messages = [{"role": "user", "content": content}]
+def _encode(processor: Any, question: Any, images: list[Image.Image]) -> EncodedPrompt:
+    """The prompt of an example: a question about `images` (one user turn), or a whole conversation (messages)."""
+    if isinstance(question, list):
+        messages = question
+    else:
+        content = [*({"type": "image"} for _ in images), {"type": "text", "text": question}]
+        messages = [{"role": "user", "content": content}]
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     enc = processor(text=[text], images=images, return_tensors="pt")
     return EncodedPrompt(

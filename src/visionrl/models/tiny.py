@@ -41,16 +41,22 @@ BASE_WORDS = (
 # expands <|image_pad|> to one token per merged patch).
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
-    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n"
+    "{% else %}<|im_start|>{{ message['role'] }}\n{% endif %}"
     "{% if message['content'] is string %}{{ message['content'] }}"
     "{% else %}{% for part in message['content'] %}"
     "{% if part['type'] in ('image', 'image_url') %}<|vision_start|><|image_pad|><|vision_end|>"
     "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
     "{% endfor %}{% endif %}"
+    "{% if message['role'] == 'tool' %}\n</tool_response>{% endif %}"
     "<|im_end|>\n"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# A tool's answer comes back as Qwen's templates send it: a user turn wrapping it in <tool_response> (the model's
+# calls are its own text, <tool_call>{json}</tool_call>). The tiny tokenizer has these four as tokens of their own
+# only in a base made for tools (the `zoom` recipe): the other bases' vocabularies stay as they were.
+TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 
 VOCAB_MULTIPLE = 64  # the model's vocab equals the tokenizer's, padded with unused tokens to this multiple
 
@@ -223,9 +229,10 @@ def save_qwen_processor(
     return processor
 
 
-def train_tokenizer(words: list[str], out_dir: Path) -> dict[str, int]:
-    """Train a word-level tokenizer on `words` (plus BASE_WORDS) and save it as a fast tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+def train_tokenizer(words: list[str], out_dir: Path, tools: bool = False) -> dict[str, int]:
+    """Train a word-level tokenizer on `words` (plus BASE_WORDS) and save it as a fast tokenizer; `tools`: with
+    TOOL_TOKENS as tokens of their own (matched before words are split, kept when decoding)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
     vocab_words = sorted(set(BASE_WORDS) | {w for w in words if w})
     tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
@@ -235,11 +242,15 @@ def train_tokenizer(words: list[str], out_dir: Path) -> dict[str, int]:
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=True)  # joins words with spaces, tidies punctuation
     # Pad the vocabulary to a multiple of VOCAB_MULTIPLE with unused tokens, so the model's vocab equals
     # the tokenizer's and every id an engine can sample decodes.
-    n = len(SPECIAL_TOKENS) + len(vocab_words)
+    tools_added = TOOL_TOKENS if tools else []
+    n = len(SPECIAL_TOKENS) + len(vocab_words) + len(tools_added)
     pad = (-n) % VOCAB_MULTIPLE
     filler = [f"<unused_{i}>" for i in range(pad)]
-    trainer = trainers.WordLevelTrainer(special_tokens=SPECIAL_TOKENS, min_frequency=1, vocab_size=n + pad)
+    trainer = trainers.WordLevelTrainer(
+        special_tokens=SPECIAL_TOKENS, min_frequency=1, vocab_size=n - len(tools_added) + pad
+    )
     tok.train_from_iterator([" ".join(vocab_words)], trainer=trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in tools_added])
     tok.add_special_tokens(filler)
     save_qwen_tokenizer(tok, out_dir, model_max_length=4096)
     vocab = tok.get_vocab()
@@ -284,7 +295,11 @@ def build_tiny_model(
         from visionrl.rewards.judge import CLOSE, OPEN
 
         words += split_words(COLOR_MATCH_TEMPLATE.format(question="", completion=OPEN + CLOSE))
-    vocab = train_tokenizer(words, out)
+    if recipe == "zoom":  # the zoom task's question and the crop tool's call in Qwen's JSON format
+        from visionrl.data.zoom import ZOOM_WORDS
+
+        words += ZOOM_WORDS
+    vocab = train_tokenizer(words, out, tools=recipe == "zoom")
     config = getattr(transformers, classes["config"])(**tiny_config_dict(len(vocab), vocab, arch))
 
     torch.manual_seed(seed)

@@ -13,8 +13,8 @@ import torch
 from visionrl import metrics as tags
 from visionrl.algo import groups_with_signal
 from visionrl.config import JobConfig
+from visionrl.envs.episodes import EpisodeBatch
 from visionrl.errors import RunError
-from visionrl.orchestrate.episodes import EpisodeBatch
 from visionrl.orchestrate.prompt_stream import PromptStream
 from visionrl.orchestrate.step_log import StepClock
 from visionrl.orchestrate.workers import Workers

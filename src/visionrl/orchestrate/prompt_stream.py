@@ -68,7 +68,9 @@ class PromptStream:
         }
 
     def _prompt(self, sample: Any) -> PromptItem:
-        return build_prompt(sample, self.processor, self.cfg.data.system_prompt)
+        return build_prompt(
+            sample, self.processor, self.cfg.data.system_prompt, keep_source=self.cfg.env is not None
+        )
 
     def probe_prompts(self, n: int = 4) -> list[PromptItem]:
         """A few training prompts for the start-up adapter probe; the sampler's position is not touched."""

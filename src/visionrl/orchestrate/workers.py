@@ -20,6 +20,7 @@ import ray
 
 from visionrl import metrics as tags
 from visionrl.config import JobConfig
+from visionrl.envs.episodes import EpisodeRunner
 from visionrl.errors import RunError, StorageError, storage_errors
 from visionrl.judge.scoring import Judging
 from visionrl.orchestrate.delivery import (
@@ -30,7 +31,6 @@ from visionrl.orchestrate.delivery import (
     scoring_batch,
 )
 from visionrl.orchestrate.env_workers import EnvPool
-from visionrl.orchestrate.episodes import EpisodeRunner
 from visionrl.orchestrate.failures import resume_hint
 from visionrl.orchestrate.judging import join_scores, start_judges
 from visionrl.orchestrate.learners import CALL_KEY, LearnerGroup
@@ -117,7 +117,7 @@ class Workers:
     def attach_envs(self, processor: Any) -> None:
         """Start the env workers of the job's `env` and the runner of its episodes (`processor`: the policy's)."""
         assert self.cfg.env is not None
-        self.episodes = EpisodeRunner(self.cfg, processor, EnvPool(self.cfg.env))
+        self.episodes = EpisodeRunner.of(self.cfg, processor, EnvPool(self.cfg.env))
 
     def _get(self, calls: list[Call], phase: str, interruptible: bool = False) -> list[Any]:
         return gather(calls, phase, self.cfg.ray.call_timeout_s, CALL_KEY, interruptible)
@@ -335,6 +335,14 @@ class Workers:
                 timeout_s=self.cfg.ray.reward_timeout_s,
                 isolation=self.cfg.ray.reward_isolation,
             )
+        if self.episodes is not None:  # multi-turn: one greedy episode per prompt, its final turn scored
+            from visionrl.eval.episodes import episode_answers
+            from visionrl.eval.scoring import score_generations
+
+            answers, _ = episode_answers(
+                _RemoteEngine(self), prompts, self.episodes, max_tokens=self.cfg.rollout.max_new_tokens
+            )
+            return accuracy(score_generations(prompts, answers, self._eval_reward))
         records = evaluate_prompts(
             _RemoteEngine(self),
             prompts,

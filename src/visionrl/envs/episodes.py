@@ -18,13 +18,14 @@ from typing import Any
 
 from visionrl import metrics as tags
 from visionrl.config import JobConfig
+from visionrl.config_env import EnvConfig
 from visionrl.data.images import fit_to_processor
 from visionrl.data.prompts import question_text
 from visionrl.envs.base import Observation, StepResult
+from visionrl.envs.pool import EnvFailure
 from visionrl.envs.registry import tool_schemas
 from visionrl.envs.trajectory import ChatGlue, Episode, message, replay_mismatch
 from visionrl.models.token_prompts import encode_images
-from visionrl.orchestrate.env_workers import EnvFailure, EnvPool
 from visionrl.types import Completion, PromptItem, SamplingSpec
 
 logger = logging.getLogger(__name__)
@@ -44,10 +45,30 @@ class EpisodeBatch:
 
 
 class EpisodeRunner:
-    def __init__(self, cfg: JobConfig, processor: Any, pool: EnvPool) -> None:
+    """Runs episodes of the environment `env` (an EnvConfig) with `processor`'s chat template. `pool` holds the
+    environments (`reset`, `step`, `close` by episode key): the env workers, or `LocalEnvs` in this process."""
+
+    def __init__(
+        self,
+        env: EnvConfig,
+        processor: Any,
+        pool: Any,
+        *,
+        max_model_len: int,
+        prompt_key: str = "prompt",
+        system_prompt: str | None = None,
+    ) -> None:
+        self.env, self.processor, self.pool = env, processor, pool
+        self.max_model_len, self.prompt_key, self.system_prompt = max_model_len, prompt_key, system_prompt
+        self.glue = ChatGlue(processor, tool_schemas(env))
+
+    @classmethod
+    def of(cls, cfg: JobConfig, processor: Any, pool: Any) -> EpisodeRunner:
+        """The runner of a job's `env` section, with its data layout, system prompt and context length."""
         assert cfg.env is not None
-        self.cfg, self.env, self.processor, self.pool = cfg, cfg.env, processor, pool
-        self.glue = ChatGlue(processor, tool_schemas(cfg.env))
+        d = cfg.data
+        return cls(cfg.env, processor, pool, max_model_len=cfg.rollout.max_model_len, prompt_key=d.prompt_key,
+                   system_prompt=d.system_prompt)  # fmt: skip
 
     def run(self, records: list[PromptItem], rollout: Any, spec: SamplingSpec) -> EpisodeBatch:
         """The episodes of `records` (G each); `rollout(prompts, spec)` is the engines' generate."""
@@ -57,7 +78,7 @@ class EpisodeRunner:
         for turn in range(self.env.max_turns):
             live = [e for e in episodes if not e.done]
             for e in live:
-                if e.tokens() + spec.max_tokens > self.cfg.rollout.max_model_len:
+                if e.tokens() + spec.max_tokens > self.max_model_len:
                     e.end("too_long")
             live = [e for e in live if not e.done]
             if not live:
@@ -108,14 +129,15 @@ class EpisodeRunner:
 
     def _env_record(self, p: PromptItem) -> dict[str, Any]:
         """What `Env.reset` gets: the record as read, with its question's text, its images loaded and its answer."""
-        return {**p.record, "prompt": question_text(p.record, self.cfg.data.prompt_key), "images": p.images,
+        images = p.source_images or p.images  # as loaded (an environment may crop them), else as budgeted
+        return {**p.record, "prompt": question_text(p.record, self.prompt_key), "images": images,
                 "answer": p.answer}  # fmt: skip
 
     def _episode(self, key: str, group: int, member: int, record: PromptItem, obs: Observation) -> Episode:
         images = [fit_to_processor(img, self.processor) for img in obs.images][: self.env.max_images]
         messages = []
-        if self.cfg.data.system_prompt:
-            messages.append(message("system", self.cfg.data.system_prompt))
+        if self.system_prompt:
+            messages.append(message("system", self.system_prompt))
         messages.append(message("user", obs.text, len(images)))
         text = self.glue.render(messages, generation=True)
         prompt = PromptItem(
