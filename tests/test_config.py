@@ -659,3 +659,23 @@ def test_defaults_that_depend_on_the_loss_and_the_old_policy() -> None:
     )
     assert algo(*engine, "algorithm.dual_clip=null").dual_clip is None
     assert "for loss cispo only" in config_error(MINIMAL, ["algorithm.clip_low=null"])
+
+
+# --------------------------------------------------------------------------- multi-turn episodes
+
+
+def test_the_env_section_is_checked_at_validation() -> None:
+    env = {**MINIMAL, "env": {"name": "zoom", "max_turns": 2}}
+    cfg = config_from_dict(env)
+    assert cfg.env is not None and cfg.env.max_images == 8 and cfg.env.step_timeout_s == 30.0
+    assert "neither a built-in environment" in config_error({**MINIMAL, "env": {"name": "mazes"}})
+    assert "env.max_turns" in config_error({**MINIMAL, "env": {"name": "maze", "max_turns": 0}})
+    tools = [{"name": "crop", "function": "a.b:c"}, {"name": "crop", "function": "a.b:d"}]
+    assert "names a tool twice" in config_error({**MINIMAL, "env": {"name": "tools", "tools": tools}})
+    bad = [{"name": "crop", "function": "a.b.c"}]
+    assert "write a tool's function as package.module:function" in config_error(
+        {**MINIMAL, "env": {"name": "tools", "tools": bad}}
+    )
+    # the job's rewards may be left empty only when an environment rewards the episodes
+    assert config_from_dict({**env, "rewards": []}).rewards == []
+    assert "rewards: list at least one reward" in config_error({**MINIMAL, "rewards": []})

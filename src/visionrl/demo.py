@@ -42,8 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--task",
         default="color",
-        choices=["color", "same_color", "easy-vqa"],
-        help="a synthetic task, or the easy-VQA data set (pip install easy-vqa; held out: 3,000 test questions)",
+        choices=["color", "same_color", "easy-vqa", "zoom"],
+        help="a synthetic task, or the easy-VQA data set (pip install easy-vqa; held out: 3,000 test questions); "
+        "zoom: multi-turn episodes with a crop tool (configs/zoom.yaml, runs/zoom)",
     )
     p.add_argument(
         "--judge",
@@ -53,6 +54,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("overrides", nargs="*", help="job overrides, e.g. train.steps=50")
     args = p.parse_args(argv)
+    if args.task == "zoom":
+        args.dir = "runs/zoom" if args.dir == "runs/demo" else args.dir
+        args.config = (
+            str(REPO / "configs" / "zoom.yaml") if args.config.endswith("demo.yaml") else args.config
+        )
     if args.judge:
         args.dir = "runs/demo_judge" if args.dir == "runs/demo" else args.dir
         args.config = (
@@ -94,6 +100,8 @@ def _demo(args: argparse.Namespace, run: Path) -> int:
     reports = evaluate_trained(cfg, base, data, result.adapter_dir, ev, with_base=True)
     if args.task == EASY_VQA:
         question, chance = "", "yes/no 0.5, shape 0.333, color 0.125"
+    elif args.task == "zoom":
+        question, chance = "What color is the square in the ...?", "0.250 (4 answers)"
     else:
         task = TASKS[args.task]
         question, chance = task.question, f"{1 / len(task.answers):.3f} ({len(task.answers)} answers)"
@@ -131,6 +139,10 @@ def prepare(run: Path, task: str, seed: int) -> tuple[Path, Path]:
         _say(f"2/5 writing the {task} data into {data}")
         if task == EASY_VQA:
             write_easy_vqa(data, None, EASY_VQA_EVAL, seed=seed)
+        elif task == "zoom":
+            from visionrl.data.zoom import make_zoom_dataset
+
+            make_zoom_dataset(data, num_train=512, num_eval=128, seed=seed)
         else:
             make_dataset(data, task, num_train=512, num_eval=128, seed=seed)
     else:
@@ -194,6 +206,8 @@ def evaluate_trained(
         # the job's first rule reward; a job judged by a model only is measured by exact match
         "rewards": [r.name for r in cfg.rewards if r.name != "judge"][:1] or ["exact_match"],
         "budget": ImageBudget.of(cfg.data),  # the base too is shown the images as the job drew them
+        "env": cfg.env,  # multi-turn: one greedy episode per question, with the job's environment
+        "max_samples": cfg.data.max_eval_samples if cfg.env is not None else None,
     }
     reports = {}
     if with_base:
@@ -204,6 +218,14 @@ def evaluate_trained(
     reports["final, images permuted"] = evaluate_local(
         base=str(base), adapter=str(adapter), out=str(ev / "final_ablated.json"), ablate_images=True, **common
     )
+    if cfg.env is not None and cfg.env.name == "zoom":  # the tool called as trained, but it shows nothing new
+        whole = cfg.env.model_copy(update={"kwargs": {**cfg.env.kwargs, "tool": "whole"}})
+        reports["final, crop shows the whole picture"] = evaluate_local(
+            base=str(base),
+            adapter=str(adapter),
+            out=str(ev / "final_no_zoom.json"),
+            **{**common, "env": whole},
+        )
     return reports
 
 

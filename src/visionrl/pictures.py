@@ -164,3 +164,18 @@ def samples_markdown(samples: Sequence[RolloutSample], max_chars: int = MAX_COMP
         row = f"| {i} | " + " | ".join(_markdown_cell(c) for c in cells) + f" | {s.reward:.2f} |"
         rows.append(row + (f" {_markdown_cell(s.verdict)} |" if judged else ""))
     return "\n".join(rows)
+
+
+STRIP_HEIGHT = 128  # px: the height of each picture in an episode's strip
+
+
+def strip(pictures: Sequence[Image.Image], height: int = STRIP_HEIGHT, gap: int = 4) -> Image.Image:
+    """`pictures` side by side at one height (aspect ratios kept), `gap` pixels apart: an episode's pictures in
+    order (the prompt's, then each observation's) as one image for the rollout grid."""
+    scaled = [p.convert("RGB").resize((max(1, round(p.width * height / p.height)), height)) for p in pictures]
+    out = Image.new("RGB", (sum(p.width for p in scaled) + gap * (len(scaled) - 1), height), _BACKGROUND)
+    x = 0
+    for p in scaled:
+        out.paste(p, (x, 0))
+        x += p.width + gap
+    return out

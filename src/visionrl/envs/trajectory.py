@@ -95,6 +95,10 @@ class Episode:
     adapter_version: int = 0
     infos: list[dict[str, Any]] = field(default_factory=list)
     prompt_pad: int = -1  # the image placeholder id (set by whoever starts the episode)
+    prompt_messages: int = 0  # how many of `messages` are the prompt's (set when the episode starts)
+
+    def __post_init__(self) -> None:
+        self.prompt_messages = self.prompt_messages or len(self.messages)
 
     @property
     def done(self) -> bool:
@@ -153,8 +157,22 @@ class Episode:
             adapter_version=self.adapter_version,
             env_mask=list(self.env_mask),
             images=list(self.images),
-            episode={"turns": self.turns, "env_reward": self.env_reward, "ended": self.ended},
+            episode={
+                "turns": self.turns,
+                "env_reward": self.env_reward,
+                "ended": self.ended,
+                "transcript": self.transcript(),
+            },
         )
+
+    def transcript(self) -> str:
+        """The turns after the prompt as one line: the model's text, `[tool: ...]` or `[user: ...]` for each
+        observation (`<image>` for each of its pictures), and how the episode ended."""
+        parts = []
+        for m in self.messages[self.prompt_messages :]:
+            text = " ".join("<image>" if c["type"] == "image" else c.get("text", "") for c in m["content"])
+            parts.append(text if m["role"] == "assistant" else f"[{m['role']}: {text}]")
+        return " ".join(parts) + f" ({self.ended})"
 
     def train_prompt(self) -> PromptItem:
         """The prompt the learner reads this episode with: the prompt's tokens, every image of the episode."""

@@ -18,7 +18,7 @@ from visionrl.config import JobConfig
 from visionrl.data.prompts import question_text
 from visionrl.errors import StorageError
 from visionrl.orchestrate.failures import resume_hint
-from visionrl.pictures import RolloutSample
+from visionrl.pictures import RolloutSample, strip
 from visionrl.rewards import RewardResult
 from visionrl.run_layout import RunDir
 from visionrl.trackers import RunTrackers
@@ -158,11 +158,14 @@ def rollout_samples(
         if not p.images:
             continue
         question = question_text(p.record, prompt_key)
+        first = group[0]
+        episode = first.episode or {}
         out.append(
             RolloutSample(
-                image=p.images[0],
+                # an episode: its pictures side by side (the prompt's, then each observation's) and its turns
+                image=strip([p.images[0], *first.images]) if first.images else p.images[0],
                 question=question,
-                completion=group[0].text,
+                completion=str(episode.get("transcript", first.text)),
                 answer=json.dumps(p.answer) if not isinstance(p.answer, str) else p.answer,
                 reward=float(totals[i * G]),
                 verdict=" / ".join(v[i * G] for v in (verdicts or {}).values()),
