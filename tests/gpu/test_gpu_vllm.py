@@ -200,3 +200,46 @@ def test_out_of_memory_names_the_learner_phase_and_the_fix(model_8b: Path, count
     text = str(err.value)
     assert text.startswith("the learner ran out of memory during train_step. GPU memory:")
     assert "train.micro_batch_tokens (now 200000)" in text and "model.gradient_checkpointing=true" in text
+
+
+def test_multi_turn_episodes_on_the_gpu_engine(
+    pretrained_tiny_model: Path, color_data: Path, tmp_path: Path
+) -> None:
+    """Episodes with picture observations on vLLM's GPU build: it continues each episode from token ids with one
+    placeholder per picture (expanded by vLLM), and the learner scores the same tokens the same."""
+    from visionrl.orchestrate.loop import train
+
+    cfg = config_from_dict(
+        {
+            "output_dir": str(tmp_path / "run"),
+            "model": {"path": str(pretrained_tiny_model), "dtype": "float32"},
+            "data": {"train": str(color_data / "train.jsonl")},
+            "rewards": [],
+            "env": {"name": "tests.envs.sample_envs:RetryColour", "max_turns": 3},
+            "lora": {"rank": 8},
+            "algorithm": {"group_size": 4},
+            "rollout": {
+                "engine": "vllm",
+                "prompts_per_step": 8,
+                "max_new_tokens": 3,
+                "gpus_per_engine": 0.4,
+                "gpu_memory_utilization": 0.3,
+                "max_model_len": 512,
+            },  # fmt: skip
+            "train": {"steps": 2, "lr": 1e-3},
+            "logging": {"eval_every": 100, "save_every": 100},
+            "ray": {"placement": "colocated", "learner_gpus": 0.4},
+        }
+    )
+    result = train(cfg)
+    print(
+        "episodes",
+        [
+            {k: v for k, v in h.items() if k.startswith(("episode/", "rollout/logprob"))}
+            for h in result.history
+        ],
+    )
+    for h in result.history:
+        assert h["episode/replay_mismatches"] == 0.0 and 1.0 <= h["episode/turns_mean"] <= 3.0
+        assert h["rollout/logprob_diff"] < 1e-2
+    assert any(h["episode/env_token_fraction"] > 0 for h in result.history)

@@ -49,8 +49,15 @@ RECIPE_LR = {JUDGE_COLOR: 1e-3}
 # (benchmarks/NOTES-demo-judge.md).
 JUDGE_SELECT_FROM, JUDGE_SELECT_EVERY, JUDGE_VALIDATION = 450, 50, 64
 # The zoom base's examples that teach the call (31 tokens each, so a share of 0.3 still weighs most in the loss);
-# the others teach reading the crop (one colour word).
+# the others teach reading the crop (one colour word). ZOOM_HABIT_CALLS of the calls crop the box the question
+# names with the y axis flipped (the bottom left when asked about the top left: y counted from the bottom, as in a
+# plot), the others a random box. So the base looks where the question says but in the wrong convention: greedy,
+# it always crops the mirrored box; sampled, it crops the right one about one time in five. A base whose calls
+# ignored the question entirely (all random) did not begin to read it in 50 GRPO steps (its choice of box drifted
+# the same way for every question), and a base right more often than not is right greedily (nothing to learn).
 ZOOM_CALL_SHARE = 0.3
+ZOOM_HABIT_CALLS = 0.35
+FLIPPED = {"top left": "bottom left", "top right": "bottom right", "bottom left": "top left", "bottom right": "top right"}
 PROGRESS_EVERY = 100  # a progress line every this many steps (init-tiny-model, the demo)
 # Which tasks a base learns with true labels and which only in format (random labels), per task a GRPO run
 # then has to learn. "color" is the demo's base. For the two-image `same_color` task the base reads colours
@@ -67,8 +74,8 @@ RECIPES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     # of the shape?" asked through COLOR_MATCH_TEMPLATE, with true labels.
     JUDGE_COLOR: ((*TRUE_LABEL_TASKS, "color", JUDGE_COLOR), ()),
     # The zoom task's base: it reads colours (the colour task, and the crop the tool returns: the colour of the
-    # square it shows), and calls the crop tool in Qwen's format, on a quadrant drawn at RANDOM: which quadrant the
-    # question asks for is left to GRPO (docs: README, multi-turn episodes).
+    # square it shows), and calls the crop tool in Qwen's format, but with the y axis flipped or on a random box
+    # (ZOOM_HABIT_CALLS): cropping the box the question asks for is left to GRPO (README, multi-turn episodes).
     ZOOM: (("color", ZOOM), ()),
 }
 
@@ -159,7 +166,8 @@ def _zoom_examples(rng: random.Random, num: int) -> list[tuple[Any, list[Image.I
     budget = ImageBudget(max_pixels=ZOOM_BUDGET, min_pixels=min(ZOOM_BUDGET, 1024))
     out: list[tuple[Any, list[Image.Image], str]] = []
     for answer in balanced_answers(rng, tuple(TASKS["color"].answers), num):
-        where, called = rng.choice(QUADRANTS), rng.choice(QUADRANTS)
+        where = rng.choice(QUADRANTS)
+        called = FLIPPED[where] if rng.random() < ZOOM_HABIT_CALLS else rng.choice(QUADRANTS)
         picture, meta = render_zoom(rng, answer, where)
         whole = fit_image(picture, budget, 32)
         question = {
