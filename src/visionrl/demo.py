@@ -323,10 +323,11 @@ def _summary(
     picture: Path | None,
     chance: str,
 ) -> None:
+    width = max(26, *(len(name) + 2 for name in reports))
     print()
-    print(f"{'model':<26}{'held-out accuracy':>18}{'samples':>9}")
+    print(f"{'model':<{width}}{'held-out accuracy':>18}{'samples':>9}")
     for name, r in reports.items():
-        print(f"{name:<26}{r['accuracy']:>18.3f}{r['num_samples']:>9}")
+        print(f"{name:<{width}}{r['accuracy']:>18.3f}{r['num_samples']:>9}")
     print(
         f"\nchance level {chance}; trained {steps} steps in {train_min:.1f} min, demo total {total_min:.1f} min"
     )

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -71,39 +72,64 @@ class EpisodeRunner:
                    system_prompt=d.system_prompt)  # fmt: skip
 
     def run(self, records: list[PromptItem], rollout: Any, spec: SamplingSpec) -> EpisodeBatch:
-        """The episodes of `records` (G each); `rollout(prompts, spec)` is the engines' generate."""
-        G = spec.n
-        episodes = self._start(records, G)
-        env_s = 0.0
-        for turn in range(self.env.max_turns):
-            live = [e for e in episodes if not e.done]
-            for e in live:
-                if e.tokens() + spec.max_tokens > self.max_model_len:
-                    e.end("too_long")
-            live = [e for e in live if not e.done]
-            if not live:
-                break
-            seed = None if spec.seed is None else spec.seed + 7919 * turn
-            groups = rollout([e.engine_prompt() for e in live], replace(spec, n=1, seed=seed))
-            acting = []
-            for e, group in zip(live, groups, strict=True):
-                if not group:  # the engine refused the prompt (too long for it, too many images)
-                    e.end("too_long")
-                    continue
-                e.add_turn(group[0], group[0].text)
-                if group[0].finish_reason == "length":
-                    e.end("truncated")
-                else:
-                    acting.append(e)
-            t0 = time.perf_counter()
-            results = self.pool.step([(e.key, e.last_text) for e in acting]) if acting else []
-            env_s += time.perf_counter() - t0
-            for e, result in zip(acting, results, strict=True):
-                self._after_step(e, result)
+        """The episodes of `records` (G each); `rollout(prompts, spec)` is the engines' generate.
+
+        With `env.overlap` the episodes are played in two halves: while the environments step one half's turn
+        (in a thread of this process, waiting on the env workers), the engines generate the other half's, so
+        the engines do not idle during environment calls (their batches are half as large)."""
+        episodes = self._start(records, spec.n)
+        parts = [episodes[0::2], episodes[1::2]] if self.env.overlap and len(episodes) > 1 else [episodes]
+        self._env_s = 0.0
+        pending: list[Future[None] | None] = [None] * len(parts)
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="visionrl-env") as stepper:
+            try:
+                for turn in range(self.env.max_turns):
+                    for k, part in enumerate(parts):
+                        _settle(pending[k])  # this half's last environment step, before its next turn
+                        pending[k] = None
+                        seed = None if spec.seed is None else spec.seed + 7919 * turn + 104_729 * k
+                        acting = self._turn(part, rollout, replace(spec, n=1, seed=seed))
+                        if acting:
+                            pending[k] = stepper.submit(self._step, acting)
+                    if all(e.done for e in episodes) and not any(pending):
+                        break
+            finally:
+                for future in pending:
+                    _settle(future)
         for e in episodes:
             e.end("max_turns")
         self.pool.close([e.key for e in episodes])
-        return self._batch(records, episodes, G, env_s)
+        return self._batch(records, episodes, spec.n, self._env_s)
+
+    def _turn(self, part: list[Episode], rollout: Any, spec: SamplingSpec) -> list[Episode]:
+        """One turn of the live episodes of `part` on the engines; returns those whose environment steps next."""
+        live = [e for e in part if not e.done]
+        for e in live:
+            if e.tokens() + spec.max_tokens > self.max_model_len:
+                e.end("too_long")
+        live = [e for e in live if not e.done]
+        if not live:
+            return []
+        groups = rollout([e.engine_prompt() for e in live], spec)
+        acting = []
+        for e, group in zip(live, groups, strict=True):
+            if not group:  # the engine refused the prompt (too long for it, too many images)
+                e.end("too_long")
+                continue
+            e.add_turn(group[0], group[0].text)
+            if group[0].finish_reason == "length":
+                e.end("truncated")
+            else:
+                acting.append(e)
+        return acting
+
+    def _step(self, acting: list[Episode]) -> None:
+        """The environments' answers to the episodes' last turns (in the env workers), applied to the episodes."""
+        t0 = time.perf_counter()
+        results = self.pool.step([(e.key, e.last_text) for e in acting])
+        self._env_s += time.perf_counter() - t0
+        for e, result in zip(acting, results, strict=True):
+            self._after_step(e, result)
 
     def _start(self, records: list[PromptItem], G: int) -> list[Episode]:
         """One episode per record and member, reset in the env workers; a failed reset ends it at once."""
@@ -195,3 +221,9 @@ class EpisodeRunner:
             failed=[[e.ended in FAILED for e in g] for g in groups],
             metrics=m,
         )
+
+
+def _settle(future: Future[None] | None) -> None:
+    """Wait for an environment step in flight (its error, e.g. a dead env worker, raised here)."""
+    if future is not None:
+        future.result()

@@ -57,7 +57,12 @@ JUDGE_SELECT_FROM, JUDGE_SELECT_EVERY, JUDGE_VALIDATION = 450, 50, 64
 # the same way for every question), and a base right more often than not is right greedily (nothing to learn).
 ZOOM_CALL_SHARE = 0.3
 ZOOM_HABIT_CALLS = 0.35
-FLIPPED = {"top left": "bottom left", "top right": "bottom right", "bottom left": "top left", "bottom right": "top right"}
+FLIPPED = {
+    "top left": "bottom left",
+    "top right": "bottom right",
+    "bottom left": "top left",
+    "bottom right": "top right",
+}
 PROGRESS_EVERY = 100  # a progress line every this many steps (init-tiny-model, the demo)
 # Which tasks a base learns with true labels and which only in format (random labels), per task a GRPO run
 # then has to learn. "color" is the demo's base. For the two-image `same_color` task the base reads colours

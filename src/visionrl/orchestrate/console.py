@@ -22,6 +22,7 @@ from pathlib import Path
 ACTOR_LOG_ENV = (
     "VISIONRL_ACTOR_LOG"  # set for the actors: the file their output is appended to (libraries.log)
 )
+VLLM_LOGGING_ENV = "VLLM_CONFIGURE_LOGGING"
 VERBOSE_ENV = "VISIONRL_VERBOSE"  # "1": the libraries' output stays on the console
 QUIETED = (
     "ray",
@@ -57,6 +58,10 @@ def libraries_to(log: Path) -> Iterator[None]:
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     saved = [(lg, lg.handlers[:], lg.propagate) for lg in map(logging.getLogger, QUIETED)]
     before = os.environ.get(ACTOR_LOG_ENV)
+    # vLLM installs its own console handler on the "vllm" logger when it is first imported (an engine built in
+    # this process, e.g. the demo's evaluation): told not to, its lines keep going to the file
+    configure = os.environ.get(VLLM_LOGGING_ENV)
+    os.environ[VLLM_LOGGING_ENV] = "0"
     logging.captureWarnings(True)
     for lg, _, _ in saved:
         lg.handlers, lg.propagate = [handler], False
@@ -67,10 +72,11 @@ def libraries_to(log: Path) -> Iterator[None]:
         for lg, handlers, propagate in saved:
             lg.handlers, lg.propagate = handlers, propagate
         logging.captureWarnings(False)
-        if before is None:
-            os.environ.pop(ACTOR_LOG_ENV, None)
-        else:
-            os.environ[ACTOR_LOG_ENV] = before
+        for key, value in ((ACTOR_LOG_ENV, before), (VLLM_LOGGING_ENV, configure)):
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
         handler.close()
 
 
