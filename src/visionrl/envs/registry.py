@@ -47,3 +47,14 @@ def env_factory(env: Any) -> Callable[[], Env]:
     if not (isinstance(cls, type) and issubclass(cls, Env)):
         raise ValueError(f"env.name {env.name}: not a visionrl.envs.Env subclass")
     return lambda: cls(**env.kwargs)
+
+
+def check_env(env: Any) -> None:
+    """An environment that cannot be made (a module that does not import, a class that is no Env, kwargs its
+    constructor refuses) as an InputError naming the key, before anything starts."""
+    from visionrl.errors import InputError
+
+    try:
+        env_factory(env)()
+    except (ValueError, TypeError) as err:
+        raise InputError(f"env: {err}; check env.name, env.kwargs and env.tools") from None

@@ -42,6 +42,7 @@ from visionrl import history as history_file
 from visionrl import metrics as tags
 from visionrl.algo import group_advantages, overlong_penalty
 from visionrl.config import JobConfig, dump_config
+from visionrl.envs.registry import check_env
 from visionrl.errors import InputError, Preempted, RunError, storage_errors
 from visionrl.files import atomic_write
 from visionrl.judge.scoring import judge_entries
@@ -87,6 +88,8 @@ def train(cfg: JobConfig, resume: ResumeMode | None = None) -> TrainResult:
     mode = cfg.resume if resume is None else resume
     ckpt = checkpoint_to_resume(cfg, run, mode)  # refuses before anything starts
     prompts_in = PromptStream(cfg)  # data and processor first: bad paths fail in seconds, before Ray
+    if cfg.env is not None:
+        check_env(cfg.env)  # the environment's class or tools import and build, before Ray
     if run.root.exists() and not run.root.is_dir():
         raise InputError(
             f"output_dir {run.root} is a file, not a folder; point output_dir at a folder (new or a run's)"

@@ -1,0 +1,78 @@
+"""The turn loop with a scripted engine and the environments in this process: episodes end for the reasons
+counted, in two halves (env.overlap) exactly as all together, and their images stay within max_images."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from visionrl.config_env import EnvConfig
+from visionrl.envs.episodes import EpisodeRunner
+from visionrl.envs.pool import LocalEnvs
+from visionrl.models.loader import load_processor
+from visionrl.types import Completion, PromptItem, SamplingSpec
+
+
+class ScriptedEngine:
+    """Answers "red" in the first turn of every episode and "green" after (ids of the tiny vocabulary), or runs
+    out of tokens on prompts whose record says so."""
+
+    def __init__(self, processor) -> None:
+        vocab = processor.tokenizer.get_vocab()
+        self.words = {w: vocab[w] for w in ("red", "green", "blue", "<|im_end|>")}
+        self.pad = vocab["<|image_pad|>"]
+        self.calls = 0
+
+    def generate(self, prompts: list[PromptItem], spec: SamplingSpec) -> list[list[Completion]]:
+        self.calls += 1
+        out = []
+        for i, p in enumerate(prompts):
+            assert p.token_ids is not None and p.token_ids.count(self.pad) == len(p.images)  # images in step
+            if p.record.get("long"):
+                out.append([Completion(i, [self.words["blue"]] * spec.max_tokens, "blue blue", [-0.1] * spec.max_tokens, "length")])
+                continue
+            word = "red" if len(p.images) == 1 else "green"
+            out.append([Completion(i, [self.words[word], self.words["<|im_end|>"]], word, [-0.1, -0.2], "stop")])
+        return out
+
+
+def _records() -> list[PromptItem]:
+    picture = Image.new("RGB", (32, 32), (0, 200, 0))
+    answers = ["red", "green", "green", "blue"]
+    return [
+        PromptItem("", [picture], answer=a, record={"prompt": "what color ?", "long": a == "blue"}, sample_id=f"s{i}",
+                   source_images=[picture])  # fmt: skip
+        for i, a in enumerate(answers)
+    ]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_episodes_end_for_their_reasons_alike_in_halves_or_together(tiny_model: Path, overlap: bool) -> None:
+    processor = load_processor(tiny_model)
+    env = EnvConfig(name="tests.envs.sample_envs:RetryColour", max_turns=3, max_images=8, overlap=overlap)
+    runner = EpisodeRunner(env, processor, LocalEnvs(env), max_model_len=512)
+    engine = ScriptedEngine(processor)
+    batch = runner.run(_records(), engine.generate, SamplingSpec(n=2, max_tokens=4, seed=0))
+    ended = [[c.episode["ended"] for c in group] for group in batch.completions]
+    # red: right at once; green: right at the second try (after the picture again); blue: cut by max_tokens
+    assert ended == [["done", "done"], ["done", "done"], ["done", "done"], ["truncated", "truncated"]]
+    assert [[c.episode["turns"] for c in g] for g in batch.completions] == [[1, 1], [2, 2], [2, 2], [1, 1]]
+    assert [[c.episode["env_reward"] for c in g] for g in batch.completions] == [[1.0, 1.0], [0.5, 0.5], [0.5, 0.5], [0.0, 0.0]]
+    assert [len(c.images) for c in batch.completions[1]] == [1, 1]  # the picture shown again, once
+    assert batch.metrics["episode/ended_done"] == 6 and batch.metrics["episode/ended_truncated"] == 2
+    assert batch.metrics["episode/replay_mismatches"] == 0
+    assert engine.calls == (4 if overlap else 2)  # two turns; in halves, two engine batches a turn
+    second = batch.completions[1][0]
+    assert "[user: <image> look again]" in second.episode["transcript"]
+
+
+def test_an_episode_past_its_image_budget_ends_counted(tiny_model: Path) -> None:
+    processor = load_processor(tiny_model)
+    env = EnvConfig(name="tests.envs.sample_envs:Solid", max_turns=5, max_images=3)
+    runner = EpisodeRunner(env, processor, LocalEnvs(env), max_model_len=512)
+    batch = runner.run(_records()[:1], ScriptedEngine(processor).generate, SamplingSpec(n=1, max_tokens=4))
+    c = batch.completions[0][0]
+    assert c.episode["ended"] == "max_images" and len(c.images) == 2  # the prompt's picture and two observations
+    assert batch.metrics["episode/images_mean"] == 3
