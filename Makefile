@@ -7,7 +7,7 @@ PYTEST_ARGS ?=
 # Ray session): the integration tests leave a core idle about half the time (waiting on actors and deadlines).
 TEST_WORKERS ?= 2
 
-.PHONY: setup demo demo-judge test test-fast lint format clean-demo
+.PHONY: setup demo demo-judge demo-zoom test test-fast lint format clean-demo
 
 setup:
 	@bash scripts/setup_venv.sh
@@ -18,6 +18,10 @@ demo: setup
 # the same task with a tiny judge model as the only reward (README, Rewards)
 demo-judge: setup
 	@$(PY) -m visionrl.demo --judge --dir runs/demo_judge
+
+# multi-turn episodes: a tiny model learns to call a crop tool before it answers (README, Multi-turn episodes)
+demo-zoom: setup
+	@$(PY) -m visionrl.demo --task zoom --dir runs/zoom
 
 test: setup
 	@$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 $(PYTEST_ARGS)

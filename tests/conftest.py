@@ -31,7 +31,7 @@ SLOW_FIXTURES = frozenset(
 # --no-loadscope-reorder, which keeps this order; by default pytest-xdist puts the files with the most tests
 # first, so these one-test files ran last, one after the other) each starts on its own process while the other
 # works through the rest.
-LONGEST_FIRST = ("test_two_images.py", "test_demo_recipe.py", "test_judge_recipe.py")
+LONGEST_FIRST = ("test_two_images.py", "test_demo_recipe.py", "test_zoom_recipe.py", "test_judge_recipe.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

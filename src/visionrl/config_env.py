@@ -55,13 +55,6 @@ class EnvConfig(Section):
         description="Deadline of each reset/step call; past it the episode ends with reward 0.",
     )
     num_workers: int = Field(1, ge=1, le=1024, description="Ray actors that run the environments.")
-    overlap: bool = Field(
-        False,
-        description="Play the episodes in two halves, so that the engines generate one half's turn while the "
-        "environments step the other's. Measured slower on the CPU demo at every environment time "
-        "(benchmarks/episode_overlap.py): two environment batches a turn instead of one. Default: all "
-        "episodes generate, then all step (each environment call in its own thread).",
-    )
     tools: list[ToolConfig] = Field(
         default_factory=list,
         description="Tools of the `tools` environment (calculator and zoom bring their own).",

@@ -11,9 +11,10 @@ compared with its tokens (`episode/replay_mismatches`)."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import Counter
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -62,6 +63,8 @@ class EpisodeRunner:
         self.env, self.processor, self.pool = env, processor, pool
         self.max_model_len, self.prompt_key, self.system_prompt = max_model_len, prompt_key, system_prompt
         self.glue = ChatGlue(processor, tool_schemas(env))
+        self._lock = threading.Lock()  # the lanes add their environment time to one total
+        self._env_s = 0.0
 
     @classmethod
     def of(cls, cfg: JobConfig, processor: Any, pool: Any) -> EpisodeRunner:
@@ -72,34 +75,36 @@ class EpisodeRunner:
                    system_prompt=d.system_prompt)  # fmt: skip
 
     def run(self, records: list[PromptItem], rollout: Any, spec: SamplingSpec) -> EpisodeBatch:
-        """The episodes of `records` (G each); `rollout(prompts, spec)` is the engines' generate.
-
-        With `env.overlap` the episodes are played in two halves: while the environments step one half's turn
-        (in a thread of this process, waiting on the env workers), the engines generate the other half's, so
-        the engines do not idle during environment calls (their batches are half as large)."""
+        """The episodes of `records` (G each). `rollout(prompts, spec)` is the engines' generate, or a list of
+        them, one per engine: each engine then plays its own records' episodes (a record's G episodes on one
+        engine, sharing its prompt's cache) in a lane of its own, turn after turn, so the environments step one
+        engine's episodes while the other engines generate theirs; no engine waits for the slowest."""
         episodes = self._start(records, spec.n)
-        parts = [episodes[0::2], episodes[1::2]] if self.env.overlap and len(episodes) > 1 else [episodes]
+        lanes = rollout if isinstance(rollout, list) else [rollout]
+        parts = [[e for e in episodes if e.group % len(lanes) == k] for k in range(len(lanes))]
         self._env_s = 0.0
-        pending: list[Future[None] | None] = [None] * len(parts)
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="visionrl-env") as stepper:
-            try:
-                for turn in range(self.env.max_turns):
-                    for k, part in enumerate(parts):
-                        _settle(pending[k])  # this half's last environment step, before its next turn
-                        pending[k] = None
-                        seed = None if spec.seed is None else spec.seed + 7919 * turn + 104_729 * k
-                        acting = self._turn(part, rollout, replace(spec, n=1, seed=seed))
-                        if acting:
-                            pending[k] = stepper.submit(self._step, acting)
-                    if all(e.done for e in episodes) and not any(pending):
-                        break
-            finally:
-                for future in pending:
-                    _settle(future)
+        if len(lanes) == 1:
+            self._lane(parts[0], lanes[0], spec, 0)
+        else:
+            with ThreadPoolExecutor(max_workers=len(lanes), thread_name_prefix="visionrl-lane") as pool:
+                for future in [
+                    pool.submit(self._lane, part, lane, spec, k)
+                    for k, (part, lane) in enumerate(zip(parts, lanes, strict=True))
+                ]:
+                    future.result()  # an engine's or env worker's failure, raised here
         for e in episodes:
             e.end("max_turns")
         self.pool.close([e.key for e in episodes])
         return self._batch(records, episodes, spec.n, self._env_s)
+
+    def _lane(self, part: list[Episode], rollout: Any, spec: SamplingSpec, lane: int) -> None:
+        """`part`'s episodes to their end: each turn on the engine `rollout`, then their environments' step."""
+        for turn in range(self.env.max_turns):
+            seed = None if spec.seed is None else spec.seed + 7919 * turn
+            acting = self._turn(part, rollout, replace(spec, n=1, seed=seed))
+            if not acting:
+                return
+            self._step(acting)
 
     def _turn(self, part: list[Episode], rollout: Any, spec: SamplingSpec) -> list[Episode]:
         """One turn of the live episodes of `part` on the engines; returns those whose environment steps next."""
@@ -127,7 +132,8 @@ class EpisodeRunner:
         """The environments' answers to the episodes' last turns (in the env workers), applied to the episodes."""
         t0 = time.perf_counter()
         results = self.pool.step([(e.key, e.last_text) for e in acting])
-        self._env_s += time.perf_counter() - t0
+        with self._lock:
+            self._env_s += time.perf_counter() - t0
         for e, result in zip(acting, results, strict=True):
             self._after_step(e, result)
 
@@ -221,9 +227,3 @@ class EpisodeRunner:
             failed=[[e.ended in FAILED for e in g] for g in groups],
             metrics=m,
         )
-
-
-def _settle(future: Future[None] | None) -> None:
-    """Wait for an environment step in flight (its error, e.g. a dead env worker, raised here)."""
-    if future is not None:
-        future.result()

@@ -250,10 +250,8 @@ def evaluate_local(
                 partial(engine_judge, runner, processor),
                 runner.close,
             )
-            generate = partial(generate_answers, runner, prompts, max_tokens=max_tokens)
-            episodes: dict[str, float] = {}
-            if env is not None:
-                generate = partial(_episodes, runner, prompts, env, processor, max_tokens, episodes)
+            episodes: dict[str, float] = {}  # the episodes' metrics, with `env`
+            generate = _answers(runner, prompts, max_tokens, env, processor, episodes)
             return settings.report(
                 prompts,
                 generate,
@@ -268,6 +266,20 @@ def evaluate_local(
                     **({"env": env.model_dump(mode="json"), "episodes": episodes} if env is not None else {}),
                 },
             )
+
+
+def _answers(
+    engine: RolloutEngine,
+    prompts: list[PromptItem],
+    max_tokens: int,
+    env: EnvConfig | None,
+    processor: Any,
+    metrics: dict[str, float],
+) -> Callable[[], list[Generation]]:
+    """What answers the prompts: greedy generation, or with `env` one greedy episode each (`_episodes`)."""
+    if env is None:
+        return partial(generate_answers, engine, prompts, max_tokens=max_tokens)
+    return partial(_episodes, engine, prompts, env, processor, max_tokens, metrics)
 
 
 def _episodes(

@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -188,6 +189,21 @@ class Workers:
             return [group for part in self._get(calls, "rollout", True) for group in part]
 
         return self._recovering(attempt)
+
+    def rollout_on(self, index: int, prompts: list[PromptItem], spec: SamplingSpec) -> list[list[Completion]]:
+        """`rollout` on engine `index` alone (an episode lane: `envs.episodes`), restarted like the others."""
+
+        def attempt() -> list[list[Completion]]:
+            call = Call(
+                self.engines[index].generate.remote(prompts, _engine_spec(spec, index)), ENGINE, index
+            )
+            return list(self._get([call], "rollout", True)[0])
+
+        return self._recovering(attempt)
+
+    def rollout_lanes(self) -> list[Callable[[list[PromptItem], SamplingSpec], list[list[Completion]]]]:
+        """One generate per engine: multi-turn episodes play each engine's share in a lane of its own."""
+        return [partial(self.rollout_on, i) for i in range(len(self.engines))]
 
     # at start: the adapter reaches the engines
     def verify_delivery(self, prompts: list[PromptItem]) -> list[PartProbe]:
