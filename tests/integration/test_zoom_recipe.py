@@ -19,9 +19,8 @@ def test_the_zoom_recipe_learns_to_crop_and_answers_from_the_crop(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run = tmp_path / "zoom"
-    assert (
-        demo_main(["--task", "zoom", "--dir", str(run)]) == 0
-    )  # 0 only when the final accuracy is at the target
+    # the held-out set cut to 32 questions for the suite (the demo's 64: README); 0 only at the target accuracy
+    assert demo_main(["--task", "zoom", "--dir", str(run), "data.max_eval_samples=32"]) == 0
     reports = {
         name: json.loads((run / "eval" / f"{name}.json").read_text())
         for name in ("base", "final", "final_ablated", "final_no_zoom")
