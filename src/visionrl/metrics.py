@@ -131,9 +131,7 @@ EPISODE_REPLAY_MISMATCHES = (
 EPISODE_ENDED_PREFIX = (
     "episode/ended_"  # + why: done, max_turns, truncated, error, timeout, too_long, max_images
 )
-TIMING_ENV = (
-    "timing/env_s"  # part of timing/rollout_s: waiting on the environments (summed over engine lanes)
-)
+TIMING_ENV = "timing/env_s"  # part of timing/rollout_s: the environments' steps (summed over engine lanes)
 
 SAMPLES_PREFIX = "samples/"
 SAMPLES_IMAGE = SAMPLES_PREFIX + "rollouts"
