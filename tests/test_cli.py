@@ -335,3 +335,22 @@ def test_train_refuses_a_run_with_checkpoints_without_resume(tmp_path: Path) -> 
     assert result.returncode == 2, result.stderr
     assert "holds checkpoints of an earlier run; continue it with `--resume`" in result.stderr
     assert "`--resume auto`" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_eval_env_plays_episodes_with_the_job_files_environment(
+    eval_calls: dict[str, dict[str, Any]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({"output_dir": "r", "model": {"path": "m"}, "data": {"train": "t.jsonl"},
+                                   "rewards": [], "env": {"name": "zoom", "max_turns": 2}}))  # fmt: skip
+    assert main(["eval", "--base", "m", "--env", str(job), *EVAL_SHARED]) == 0
+    env = eval_calls["local"]["env"]
+    assert (env.name, env.max_turns) == ("zoom", 2)
+    with pytest.raises(SystemExit) as usage:
+        main(["eval", "--endpoint", "http://h/v1", "--model", "a", "--env", str(job), *EVAL_SHARED])
+    assert usage.value.code == 2 and "--env plays episodes with a local engine" in capsys.readouterr().err
+    job.write_text(yaml.safe_dump({"output_dir": "r", "model": {"path": "m"}, "data": {"train": "t.jsonl"},
+                                   "rewards": [{"name": "exact_match"}]}))  # fmt: skip
+    with pytest.raises(SystemExit) as usage:
+        main(["eval", "--base", "m", "--env", str(job), *EVAL_SHARED])
+    assert usage.value.code == 2 and "the job file has no env section" in capsys.readouterr().err

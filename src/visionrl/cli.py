@@ -147,6 +147,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         "layout": Layout(prompt_key=args.prompt_key, answer_key=args.answer_key, image_key=args.image_key),
         "judges": parse_judges(args.judge) if args.judge else None,
     }
+    if args.env:
+        if args.endpoint:
+            raise _usage("--env plays episodes with a local engine: use --base (and --adapter), not --endpoint")
+        common["env"] = _job_env(args.env)
     if args.endpoint:
         from visionrl.eval.endpoint import check_failures, evaluate_endpoint
 
@@ -169,6 +173,16 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     report = evaluate_local(base=args.base, adapter=args.adapter, engine=args.engine, **common)
     _print_report(report, args.out)
     return _judges_ok(report, args.out)
+
+
+def _job_env(path: str) -> Any:
+    """The `env` section of the job file `path` (a usage error when it has none)."""
+    from visionrl.config import load_config
+
+    env = load_config(path).env
+    if env is None:
+        raise _usage(f"--env {path}: the job file has no env section")
+    return env
 
 
 def _print_report(report: dict[str, Any], out: str) -> None:

@@ -57,6 +57,12 @@ def eval_args(sp: argparse.ArgumentParser) -> None:
     )
     sp.add_argument("--adapter", help="local evaluation: adapter directory (omit for the base model)")
     sp.add_argument("--engine", choices=["vllm", "hf"], default="vllm", help="local evaluation engine")
+    sp.add_argument(
+        "--env",
+        metavar="JOB",
+        help="local evaluation of multi-turn episodes: a job file whose `env` section plays each question as one "
+        "greedy episode (its final turn is the answer)",
+    )
     served_eval_args(sp)
     sp.add_argument(
         "--ablate-images", action="store_true", help="permute images across samples (does it look?)"
