@@ -149,7 +149,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     }
     if args.env:
         if args.endpoint:
-            raise _usage("--env plays episodes with a local engine: use --base (and --adapter), not --endpoint")
+            raise _usage(
+                "--env plays episodes with a local engine: use --base (and --adapter), not --endpoint"
+            )
         common["env"] = _job_env(args.env)
     if args.endpoint:
         from visionrl.eval.endpoint import check_failures, evaluate_endpoint
