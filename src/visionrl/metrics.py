@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
 
 from visionrl.errors import storage_error
-from visionrl.pictures import RolloutSample, render_rollout_grid, samples_markdown
+from visionrl.pictures import RolloutSample, rollout_grid, samples_markdown
 
 logger = logging.getLogger(__name__)
 
@@ -295,15 +295,10 @@ class MetricsWriter:
         A picture that cannot be drawn (an unreadable or truncated image file) is logged as a warning
         and skipped: a debugging aid must never stop training.
         """
-        if not samples:
-            return False
-        try:
-            grid = render_rollout_grid(samples, cols=cols, cell=cell)
-        except (OSError, ValueError) as error:  # what PIL raises for unreadable or unconvertible images
-            logger.warning("step %d: rollout picture not written: %s: %s", step, type(error).__name__, error)
-            return False
-        self.image(step, SAMPLES_IMAGE, grid)
-        return True
+        grid = rollout_grid(step, samples, cols=cols, cell=cell)
+        if grid is not None:
+            self.image(step, SAMPLES_IMAGE, grid)
+        return grid is not None
 
     def text(self, step: int, tag: str, markdown: str) -> None:
         """Write Markdown text (shown by TensorBoard's Text tab)."""

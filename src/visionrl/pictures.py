@@ -3,11 +3,14 @@ and the same samples as a Markdown table. Drawn with PIL's built-in font, so no 
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from PIL import Image, ImageDraw, ImageFont
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -179,3 +182,17 @@ def strip(pictures: Sequence[Image.Image], height: int = STRIP_HEIGHT, gap: int 
         out.paste(p, (x, 0))
         x += p.width + gap
     return out
+
+
+def rollout_grid(
+    step: int, samples: Sequence[RolloutSample], cols: int = 4, cell: int = 192
+) -> Image.Image | None:
+    """The grid picture of `samples` (None without samples, or when one cannot be drawn: an unreadable or truncated
+    image file is warned about and skipped, as a debugging aid must never stop training)."""
+    if not samples:
+        return None
+    try:
+        return render_rollout_grid(samples, cols=cols, cell=cell)
+    except (OSError, ValueError) as error:  # what PIL raises for unreadable or unconvertible images
+        logger.warning("step %d: rollout picture not written: %s: %s", step, type(error).__name__, error)
+        return None

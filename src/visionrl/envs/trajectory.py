@@ -117,13 +117,13 @@ class Episode:
     def engine_prompt(self) -> PromptItem:
         """What the engine continues: every token so far, every image so far."""
         assert self.prompt.token_ids is not None
+        return self._with_every_image([*self.prompt.token_ids, *self.ids])
+
+    def _with_every_image(self, token_ids: list[int] | None) -> PromptItem:
+        """The prompt with `token_ids` and every image of the episode (the prompt's, then the observations')."""
+        p = self.prompt
         return PromptItem(
-            text=self.prompt.text,
-            images=[*self.prompt.images, *self.images],
-            answer=self.prompt.answer,
-            record=self.prompt.record,
-            sample_id=self.key,
-            token_ids=[*self.prompt.token_ids, *self.ids],
+            p.text, [*p.images, *self.images], p.answer, p.record, self.key, token_ids=token_ids
         )
 
     def add_turn(self, turn: Completion, text: str) -> None:
@@ -176,14 +176,7 @@ class Episode:
 
     def train_prompt(self) -> PromptItem:
         """The prompt the learner reads this episode with: the prompt's tokens, every image of the episode."""
-        return PromptItem(
-            text=self.prompt.text,
-            images=[*self.prompt.images, *self.images],
-            answer=self.prompt.answer,
-            record=self.prompt.record,
-            sample_id=self.key,
-            token_ids=self.prompt.token_ids,
-        )
+        return self._with_every_image(self.prompt.token_ids)
 
 
 def replay_mismatch(glue: ChatGlue, episode: Episode) -> bool:

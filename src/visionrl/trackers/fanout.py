@@ -17,7 +17,7 @@ from visionrl import metrics as tags
 from visionrl.errors import InputError, Preempted
 from visionrl.files import atomic_write
 from visionrl.metrics import MetricsWriter
-from visionrl.pictures import RolloutSample, render_rollout_grid
+from visionrl.pictures import RolloutSample, rollout_grid
 from visionrl.run_layout import RunDir
 
 if TYPE_CHECKING:
@@ -138,12 +138,8 @@ class RunTrackers:
     def rollout_images(self, step: int, samples: Sequence[RolloutSample]) -> bool:
         """The picture grid of `samples` under SAMPLES_IMAGE in every tracker; False when it could not be drawn (an
         unreadable image: warned, skipped)."""
-        if not samples:
-            return False
-        try:
-            grid = render_rollout_grid(samples)
-        except (OSError, ValueError) as error:  # what PIL raises for unreadable or unconvertible images
-            logger.warning("step %d: rollout picture not written: %s: %s", step, type(error).__name__, error)
+        grid = rollout_grid(step, samples)
+        if grid is None:
             return False
         if self.tb is not None:
             self.tb.image(step, tags.SAMPLES_IMAGE, grid)
