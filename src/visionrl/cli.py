@@ -147,13 +147,16 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         "layout": Layout(prompt_key=args.prompt_key, answer_key=args.answer_key, image_key=args.image_key),
         "judges": parse_judges(args.judge) if args.judge else None,
     }
+    served = args.endpoint or args.sagemaker_endpoint
     if args.env:
-        if args.endpoint:
+        if served:
             raise _usage(
                 "--env plays episodes with a local engine: use --base (and --adapter), not --endpoint"
             )
         common["env"] = _job_env(args.env)
-    if args.endpoint:
+    if args.endpoint and args.sagemaker_endpoint:
+        raise _usage("--endpoint and --sagemaker-endpoint name two servers: give one")
+    if served:
         from visionrl.eval.endpoint import check_failures, evaluate_endpoint
 
         report = evaluate_endpoint(
@@ -163,6 +166,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             timeout_s=args.timeout,
             base=args.base,
             api_key=args.api_key,
+            sagemaker_endpoint=args.sagemaker_endpoint,
+            region=args.region,
             **common,
         )
         _print_report(report, args.out)
@@ -235,13 +240,23 @@ def _cmd_fetch(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from visionrl.serve import sagemaker
+
+    if args.sagemaker or (not args.base and sagemaker.in_sagemaker(os.environ)):
+        if args.api_key:
+            raise _usage("--api-key: SageMaker's runtime signs requests with IAM and sends no key; drop it")
+        return sagemaker.serve_sagemaker(
+            args.base, args.adapter, host=args.host or "0.0.0.0", port=args.port, extra=args.vllm_arg
+        )
+    if not args.base:
+        raise _usage("serve needs --base MODEL (or --sagemaker for SageMaker's hosting contract)")
     from visionrl.serve.server import serve
 
     return serve(
         base=args.base,
         adapters=args.adapter,
-        host=args.host,
-        port=args.port,
+        host=args.host or "127.0.0.1",
+        port=8000 if args.port is None else args.port,
         extra=args.vllm_arg,
         api_key=args.api_key,
         allow_insecure=args.allow_insecure,

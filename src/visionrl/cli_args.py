@@ -109,6 +109,13 @@ def served_eval_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument(
         "--endpoint", help="served evaluation: OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1"
     )
+    sp.add_argument(
+        "--sagemaker-endpoint",
+        metavar="NAME",
+        help="served evaluation through a SageMaker endpoint's runtime API (`visionrl deploy sagemaker`; AWS "
+        "credentials and region from the environment)",
+    )
+    sp.add_argument("--region", help="AWS region of --sagemaker-endpoint (default: the AWS environment's)")
     sp.add_argument("--model", help="served evaluation: model or adapter name at the endpoint")
     sp.add_argument("--concurrency", type=int, default=8, help="parallel requests (served evaluation)")
     sp.add_argument("--timeout", type=float, default=60.0, help="seconds per request (served evaluation)")
@@ -144,7 +151,18 @@ def fetch_args(sp: argparse.ArgumentParser) -> None:
 
 
 def serve_args(sp: argparse.ArgumentParser) -> None:
-    sp.add_argument("--base", required=True, help="base model directory")
+    sp.add_argument(
+        "--base",
+        help="base model directory (with --sagemaker also s3://; default there: $VISIONRL_BASE_MODEL, else the "
+        "model directory SageMaker mounts, $SM_MODEL_DIR or /opt/ml/model)",
+    )
+    sp.add_argument(
+        "--sagemaker",
+        action="store_true",
+        help="SageMaker's hosting contract (docs/AWS.md): port 8080 on 0.0.0.0, /ping 503 until loaded, "
+        "/invocations, /adapters; adapters also from $VISIONRL_ADAPTERS. The default without --base where "
+        "SageMaker's model directory exists (`docker run IMAGE serve`)",
+    )
     sp.add_argument(
         "--adapter",
         action="append",
@@ -153,9 +171,17 @@ def serve_args(sp: argparse.ArgumentParser) -> None:
         help="exported adapter (folder or s3://) served as NAME (repeatable)",
     )
     sp.add_argument(
-        "--host", default="127.0.0.1", help="address to bind (a non-loopback one needs an API key)"
+        "--host",
+        default=None,
+        help="address to bind (default 127.0.0.1; with --sagemaker 0.0.0.0); a non-loopback one needs an API key, "
+        "except under --sagemaker, where SageMaker's runtime is the only caller",
     )
-    sp.add_argument("--port", type=int, default=8000)
+    sp.add_argument(
+        "--port",
+        type=int,
+        default=None,
+        help="default 8000; with --sagemaker $SAGEMAKER_BIND_TO_PORT or 8080",
+    )
     sp.add_argument(
         "--api-key",
         default=None,

@@ -17,7 +17,7 @@ import pytest
 from PIL import Image
 
 from visionrl.errors import InputError
-from visionrl.eval.endpoint import evaluate_endpoint, request_answers
+from visionrl.eval.endpoint import evaluate_endpoint, openai_asker, request_answers
 from visionrl.eval.wire import chat_messages, image_data_url, openai_base_url
 
 COLORS = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255), "white": (255, 255, 255),
@@ -210,7 +210,8 @@ def test_forbidden_tokens_are_sent_as_logit_bias(endpoint: str, tmp_path: Path) 
     image = Image.new("RGB", (4, 4), COLORS["red"])
     requests = [chat_messages([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}],
                               [image])]  # fmt: skip
-    (answer,) = request_answers(endpoint, "m", requests, max_tokens=2, forbidden_token_ids=[5, 9])
+    with openai_asker(endpoint, timeout_s=10, max_retries=0, api_key=None) as ask:
+        (answer,) = request_answers(ask, "m", requests, max_tokens=2, forbidden_token_ids=[5, 9])
     assert answer.text == " red" and answer.num_tokens == 2 and answer.error is None
     assert FakeChat.requests[0]["logit_bias"] == {"5": -100, "9": -100}
 

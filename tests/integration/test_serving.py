@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from tests.aws_local import moto_server, point_aws_at
+from tests.integration.random_adapter import random_adapter
 
 from visionrl.adapter.export import export_adapter
 from visionrl.adapter.fetch import fetch_adapter
@@ -43,58 +44,22 @@ MAX_TOKENS = 4
 
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A moto S3 server on 127.0.0.1 with one bucket; the AWS environment points at it (fake keys).
-
-    moto runs in a child process, not as moto's in-process ThreadedMotoServer: importing flask into this
-    process breaks every later in-process vLLM engine (vLLM 0.32 scans all module globals at start, and
-    flask's `current_app` proxy raises RuntimeError there).
-    """
+    """A moto S3 server on 127.0.0.1 with one bucket; the AWS environment points at it (fake keys)."""
     import boto3
 
-    port = free_port()
     home = tmp_path_factory.mktemp("aws")
-    command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
-    with ServerHandle(
-        command, url=f"http://127.0.0.1:{port}", ready_path="/moto-api/", log_path=home / "moto.log"
-    ) as moto:
-        moto.wait_ready(60, poll_s=0.1)
-        with pytest.MonkeyPatch.context() as mp:
-            for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
-                mp.delenv(name, raising=False)
-            mp.setenv("AWS_ACCESS_KEY_ID", "testing")
-            mp.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-            mp.setenv("AWS_DEFAULT_REGION", "us-east-1")
-            mp.setenv("AWS_ENDPOINT_URL", moto.url)
-            # No user config or credential files may leak in.
-            mp.setenv("AWS_CONFIG_FILE", str(home / "config"))
-            mp.setenv("AWS_SHARED_CREDENTIALS_FILE", str(home / "credentials"))
-            boto3.client("s3").create_bucket(Bucket=BUCKET)
-            yield f"s3://{BUCKET}"
-
-
-def _random_adapter(base: Path, out: Path, seed: int) -> Path:
-    """A peft adapter on the LM projections and the merger (rank 8) with random non-zero lora_B."""
-    import torch
-
-    from visionrl.config import LoraConfig
-    from visionrl.models.loader import apply_lora, load_base_model
-
-    model = apply_lora(load_base_model(base), LoraConfig(rank=8, alpha=16.0, train_merger=True), seed=seed)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:  # B = 0 would make the adapter a no-op
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
-    model.save_pretrained(str(out))
-    return out
+    with moto_server(home) as url, pytest.MonkeyPatch.context() as mp:
+        point_aws_at(mp, url, home)
+        boto3.client("s3").create_bucket(Bucket=BUCKET)
+        yield f"s3://{BUCKET}"
 
 
 @pytest.fixture(scope="module")
 def exports(s3: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """a1 exported by the API, a2 by the `visionrl export` command, both to s3://."""
     root = tmp_path_factory.mktemp("adapters")
-    a1 = _random_adapter(tiny_model, root / "a1", seed=1)
-    a2 = _random_adapter(tiny_model, root / "a2", seed=2)
+    a1 = random_adapter(tiny_model, root / "a1", seed=1)
+    a2 = random_adapter(tiny_model, root / "a2", seed=2)
     manifest = export_adapter(a1, f"{s3}/a1")
     assert main(["export", str(a2), f"{s3}/a2"]) == 0
     return {"a1": a1, "a2": a2, "manifest": manifest, "root": root}

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
@@ -24,73 +25,69 @@ from visionrl.data.layouts import Layout
 from visionrl.errors import InputError, RunError
 from visionrl.eval.judged import Judges, check_judges_for, judge_step
 from visionrl.eval.report import DEFAULT_REWARDS, EvalSettings
-from visionrl.eval.wire import chat_messages, openai_base_url
+from visionrl.eval.sagemaker_runtime import sagemaker_asker
+from visionrl.eval.wire import Ask, chat_messages, completion_generation, openai_base_url
 from visionrl.types import Generation, PromptItem
 
 FORBIDDEN_BIAS = -100  # the most negative logit bias the OpenAI API accepts
 
 
-def _ask(
-    client: Any,
-    model: str,
-    messages: list[dict[str, Any]],
-    options: dict[str, Any],
-    clock: Callable[[], float],
-) -> Generation:
+def _openai_ask(client: Any, clock: Callable[[], float]) -> Ask:
+    """One chat completion through the `openai` client; a failure becomes a failed Generation."""
     import openai
 
-    start = clock()
-    try:
-        response = client.chat.completions.create(model=model, messages=messages, **options)
-    except openai.APIError as err:  # timeouts, connection errors, HTTP errors, unparsable answers
-        return Generation(None, 0, (clock() - start) * 1000.0, None, f"{type(err).__name__}: {err}")
-    latency_ms = (clock() - start) * 1000.0
-    if not response.choices:
-        return Generation(None, 0, latency_ms, None, "the endpoint answered without a choice")
-    choice = response.choices[0]
-    tokens = response.usage.completion_tokens if response.usage is not None else 0
-    return Generation(choice.message.content or "", int(tokens or 0), latency_ms, choice.finish_reason)
+    def ask(model: str, messages: list[dict[str, Any]], options: dict[str, Any]) -> Generation:
+        start = clock()
+        try:
+            response = client.chat.completions.create(model=model, messages=messages, **options)
+        except openai.APIError as err:  # timeouts, connection errors, HTTP errors, unparsable answers
+            return Generation(None, 0, (clock() - start) * 1000.0, None, f"{type(err).__name__}: {err}")
+        return completion_generation(response.model_dump(), (clock() - start) * 1000.0)
+
+    return ask
 
 
-def request_answers(
-    endpoint: str,
-    model: str,
-    requests: Sequence[list[dict[str, Any]]],
-    *,
-    max_tokens: int,
-    concurrency: int = 8,
-    timeout_s: float = 60.0,
-    max_retries: int = 2,
-    forbidden_token_ids: Sequence[int] = (),
-    api_key: str | None = None,
+@contextmanager
+def openai_asker(
+    endpoint: str, *, timeout_s: float, max_retries: int, api_key: str | None,
     clock: Callable[[], float] = time.perf_counter,
-) -> list[Generation]:
-    """One greedy answer per chat request (`chat_messages` output), in request order.
-
-    `concurrency` requests are in flight at once; each gets `timeout_s` seconds per attempt and up to
-    `max_retries` retries (the client's backoff, on connection errors, timeouts, 408/409/429 and 5xx).
-    `forbidden_token_ids` get a logit bias of -100, as local evaluation forbids vision tokens. The API key
-    is `api_key`, else $OPENAI_API_KEY, else $VLLM_API_KEY (what `visionrl serve` protects the server with),
-    else "EMPTY" (a server without a key accepts any).
-    """
+) -> Iterator[Ask]:  # fmt: skip
+    """Answers from the OpenAI-compatible server at `endpoint`. Each request gets `timeout_s` seconds per attempt
+    and up to `max_retries` retries (the client's backoff, on connection errors, timeouts, 408/409/429 and 5xx).
+    The API key is `api_key`, else $OPENAI_API_KEY, else $VLLM_API_KEY (what `visionrl serve` protects the server
+    with), else "EMPTY" (a server without a key accepts any)."""
     from openai import OpenAI
 
-    if concurrency < 1:
-        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     client = OpenAI(
         base_url=openai_base_url(endpoint),
         api_key=api_key or os.environ.get("OPENAI_API_KEY") or os.environ.get("VLLM_API_KEY") or "EMPTY",
         timeout=timeout_s,
         max_retries=max_retries,
     )
+    try:
+        yield _openai_ask(client, clock)
+    finally:
+        client.close()
+
+
+def request_answers(
+    ask: Ask,
+    model: str,
+    requests: Sequence[list[dict[str, Any]]],
+    *,
+    max_tokens: int,
+    concurrency: int = 8,
+    forbidden_token_ids: Sequence[int] = (),
+) -> list[Generation]:
+    """One greedy answer per chat request (`chat_messages` output), in request order, `concurrency` requests in
+    flight at once. `forbidden_token_ids` get a logit bias of -100, as local evaluation forbids vision tokens."""
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     options: dict[str, Any] = {"temperature": 0.0, "max_tokens": max_tokens}
     if forbidden_token_ids:
         options["logit_bias"] = {str(t): FORBIDDEN_BIAS for t in forbidden_token_ids}
-    try:
-        with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="eval-request") as pool:
-            return list(pool.map(lambda messages: _ask(client, model, messages, options, clock), requests))
-    finally:
-        client.close()
+    with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="eval-request") as pool:
+        return list(pool.map(lambda messages: ask(model, messages, options), requests))
 
 
 # Qwen3-VL's grid (patch 16 x merge 2), used to resize images when no --base names the served model's own.
@@ -109,7 +106,7 @@ def _base_settings(base: str) -> tuple[list[int], int]:
 
 
 def evaluate_endpoint(
-    endpoint: str,
+    endpoint: str | None,
     model: str | None,
     data: str,
     out: str,
@@ -127,9 +124,12 @@ def evaluate_endpoint(
     api_key: str | None = None,
     layout: Layout | None = None,
     judges: Judges | None = None,
+    sagemaker_endpoint: str | None = None,
+    region: str | None = None,
 ) -> dict[str, Any]:
-    """Evaluate the model or adapter `model` served at `endpoint` (OpenAI base URL) on `data`; write and
-    return the report, in the format of `evaluate_local`.
+    """Evaluate the model or adapter `model` served at `endpoint` (OpenAI base URL), or behind the SageMaker
+    endpoint `sagemaker_endpoint` (its runtime API, in `region`), on `data`; write and return the report, in the
+    format of `evaluate_local`.
 
     The chat messages are the data's, with every image sent as a base64 PNG; answers are greedy. A failed
     request counts in `num_failed` with its error (see `request_answers`). `base`
@@ -146,11 +146,19 @@ def evaluate_endpoint(
                          "lists (GET /v1/models)")  # fmt: skip
     if concurrency < 1:
         raise InputError(f"concurrency must be >= 1, got {concurrency}")
+    if (endpoint is None) == (sagemaker_endpoint is None):
+        raise InputError("give the server as --endpoint URL or --sagemaker-endpoint NAME, one of the two")
     settings = EvalSettings(data, out, tuple(rewards or DEFAULT_REWARDS), max_tokens, seed, ablate_images)
     check_judges_for(judges or [], local=False)
     forbidden, factor = _base_settings(base) if base else ([], DEFAULT_GRID_FACTOR)
     budget = budget or ImageBudget()
-    with settings.reward_fn() as reward_fn:
+    where = endpoint if endpoint is not None else f"sagemaker:{sagemaker_endpoint}"
+    asker = (
+        sagemaker_asker(sagemaker_endpoint, timeout_s=timeout_s, max_retries=max_retries, region=region)
+        if sagemaker_endpoint is not None
+        else openai_asker(str(endpoint), timeout_s=timeout_s, max_retries=max_retries, api_key=api_key)
+    )  # fmt: skip
+    with settings.reward_fn() as reward_fn, asker as ask:
         samples = list(load_dataset(data, max_samples=max_samples, layout=layout))
         # The server applies the chat template; the prompt text stays empty here.
         prompts = settings.prompts([
@@ -160,34 +168,18 @@ def evaluate_endpoint(
         requests = [
             chat_messages(prompt_messages(s), p.images) for s, p in zip(samples, prompts, strict=True)
         ]
-        answer = partial(
-            request_answers,
-            endpoint,
-            model,
-            requests,
-            max_tokens=max_tokens,
-            concurrency=concurrency,
-            timeout_s=timeout_s,
-            max_retries=max_retries,
-            forbidden_token_ids=forbidden,
-            api_key=api_key,
-        )
+        answer = partial(request_answers, ask, model, requests, max_tokens=max_tokens, concurrency=concurrency,
+                         forbidden_token_ids=forbidden)  # fmt: skip
         return settings.report(
             prompts,
             answer,
             reward_fn,
             judge=judge_step(judges, (layout or Layout()).prompt_key),
-            model=f"{model} @ {endpoint}",
-            extra={
-                "endpoint": endpoint,
-                "served_model": model,
-                "base": base,
-                "engine": "endpoint",
-                "concurrency": concurrency,
-                "timeout_s": timeout_s,
-                "images": budget.as_dict(),
-            },
-        )
+            model=f"{model} @ {where}",
+            extra={"endpoint": where, "served_model": model, "base": base,
+                   "engine": "sagemaker" if sagemaker_endpoint is not None else "endpoint",
+                   "concurrency": concurrency, "timeout_s": timeout_s, "images": budget.as_dict()},
+        )  # fmt: skip
 
 
 def check_failures(report: dict[str, Any], max_failed_fraction: float, out: str) -> None:

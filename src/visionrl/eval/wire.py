@@ -6,11 +6,17 @@ from __future__ import annotations
 
 import base64
 import io
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
 from PIL import Image
+
+from visionrl.types import Generation
+
+# One answer from a served model: (model, chat messages, request options) -> Generation; failures are failed
+# Generations, never exceptions (`eval.endpoint.openai_asker`, `eval.sagemaker_runtime.sagemaker_asker`).
+Ask = Callable[[str, list[dict[str, Any]], dict[str, Any]], Generation]
 
 
 def image_data_url(image: Image.Image) -> str:
@@ -51,3 +57,14 @@ def openai_base_url(endpoint: str) -> str:
     """The OpenAI base URL: `endpoint` as given, or with `/v1` added when it names only a host."""
     endpoint = endpoint.rstrip("/")
     return endpoint + "/v1" if urlsplit(endpoint).path in ("", "/") else endpoint
+
+
+def completion_generation(response: dict[str, Any], latency_ms: float) -> Generation:
+    """A Generation from an OpenAI chat completion (as JSON)."""
+    choices = response.get("choices") or []
+    if not choices:
+        return Generation(None, 0, latency_ms, None, "the endpoint answered without a choice")
+    choice = choices[0]
+    tokens = (response.get("usage") or {}).get("completion_tokens") or 0
+    content = (choice.get("message") or {}).get("content")
+    return Generation(content or "", int(tokens), latency_ms, choice.get("finish_reason"))
