@@ -21,10 +21,14 @@ REGION = "us-east-1"
 
 
 @contextmanager
-def moto_server(home: Path) -> Iterator[str]:
-    """moto's server, ready; yields its URL and stops it (its log is `home/moto.log`)."""
+def moto_server(home: Path, *, update_endpoint: bool = False) -> Iterator[str]:
+    """moto's server, ready; yields its URL and stops it (its log is `home/moto.log`). `update_endpoint` adds
+    SageMaker's UpdateEndpoint, which moto lacks (tests/moto_sagemaker.py)."""
     port = free_port()
-    command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+    server = (
+        [str(Path(__file__).with_name("moto_sagemaker.py"))] if update_endpoint else ["-m", "moto.server"]
+    )
+    command = [sys.executable, *server, "-H", "127.0.0.1", "-p", str(port)]
     with ServerHandle(
         command, url=f"http://127.0.0.1:{port}", ready_path="/moto-api/", log_path=home / "moto.log"
     ) as moto:

@@ -41,7 +41,7 @@ LAYERS: Floors = [
     ("models", ("visionrl.models",)),
     ("environments", ("visionrl.envs",)),
     ("engines and learner", ("visionrl.rollout", "visionrl.train")),
-    ("evaluation and serving", ("visionrl.eval", "visionrl.serve", "visionrl.judge")),
+    ("evaluation and serving", ("visionrl.eval", "visionrl.serve", "visionrl.judge", "visionrl.deploy")),
     ("orchestration", ("visionrl.orchestrate",)),
     ("entry points", ("visionrl.cli", "visionrl.cli_args", "visionrl.demo")),
 ]  # fmt: skip

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from visionrl.cli_args import (
+    deploy_args,
     eval_args,
     export_args,
     fetch_args,
@@ -263,6 +264,40 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     )
 
 
+def _pairs(items: list[str], flag: str) -> dict[str, str]:
+    """{key: value} of `KEY=VALUE` items; a usage error names the bad one."""
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise _usage(f"{flag} {item!r} is not KEY=VALUE")
+        out[key] = value
+    return out
+
+
+def _cmd_deploy(args: argparse.Namespace) -> int:
+    import boto3  # type: ignore[import-untyped]
+
+    from visionrl.deploy import sagemaker
+
+    client = boto3.client("sagemaker", region_name=args.region)
+    if args.delete:
+        sagemaker.delete(args.name, client=client)
+        return 0
+    missing = [flag for flag, value in (("--role", args.role), ("--base", args.base)) if not value]
+    if missing:
+        raise _usage(f"deploy sagemaker needs {' and '.join(missing)} (or --delete)")
+    adapters = _pairs(args.adapter, "--adapter")
+    spec = sagemaker.EndpointSpec(
+        name=args.name, image=args.image or os.environ.get("VISIONRL_IMAGE", ""), role=args.role, base=args.base,
+        adapters=adapters, instance_type=args.instance_type, instance_count=args.instance_count,
+        environment=_pairs(args.env, "--env"), startup_timeout_s=args.startup_timeout,
+    )  # fmt: skip
+    sagemaker.deploy(spec, client=client, wait=not args.no_wait)
+    print(sagemaker.invoke_hint(args.name, list(adapters)))
+    return 0
+
+
 class _UsageError(Exception):
     pass
 
@@ -300,6 +335,12 @@ COMMANDS: tuple[tuple[str, Handler, str, Callable[[argparse.ArgumentParser], Non
         _cmd_serve,
         "Serve a base model with LoRA adapters through vLLM's OpenAI-compatible server.",
         serve_args,
+    ),
+    (
+        "deploy",
+        _cmd_deploy,
+        "Deploy a base model with exported adapters to a SageMaker endpoint (or delete one).",
+        deploy_args,
     ),
     (
         "init-tiny-model",

@@ -201,6 +201,50 @@ def serve_args(sp: argparse.ArgumentParser) -> None:
     )
 
 
+def deploy_args(sp: argparse.ArgumentParser) -> None:
+    targets = sp.add_subparsers(dest="target", required=True, metavar="TARGET")
+    sm = targets.add_parser(
+        "sagemaker",
+        help="a SageMaker real-time endpoint (docs/AWS.md)",
+        description="Create or update a SageMaker endpoint serving a base model with exported adapters (the image "
+        "runs `visionrl serve --sagemaker`), wait until it is in service and print how to call it; or --delete it.",
+    )
+    sm.add_argument("--name", required=True, help="endpoint name")
+    sm.add_argument("--delete", action="store_true", help="delete the endpoint, its config and its model")
+    sm.add_argument("--image", default=None, help="image URI in ECR (default: $VISIONRL_IMAGE)")
+    sm.add_argument("--role", default=None, help="ARN of the execution role SageMaker assumes (docs/AWS.md)")
+    sm.add_argument(
+        "--base",
+        default=None,
+        help="base model: s3://bucket/prefix/ of a checkpoint folder (SageMaker copies it to /opt/ml/model), "
+        "or a path inside the image",
+    )
+    sm.add_argument(
+        "--adapter",
+        action="append",
+        default=[],
+        metavar="NAME=s3://...",
+        help="exported adapter served as NAME (repeatable; checked against its manifest first)",
+    )
+    sm.add_argument("--instance-type", default="ml.g6e.2xlarge", help="e.g. ml.g6e.2xlarge (one L40S, 48 GB)")
+    sm.add_argument("--instance-count", type=int, default=1)
+    sm.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="container environment (repeatable), e.g. VISIONRL_VLLM_ARGS='--max-loras 4'",
+    )
+    sm.add_argument(
+        "--startup-timeout",
+        type=int,
+        default=1800,
+        help="seconds SageMaker allows to copy the model and to load it",
+    )
+    sm.add_argument("--region", default=None, help="AWS region (default: the AWS environment's)")
+    sm.add_argument("--no-wait", action="store_true", help="return once the request is made")
+
+
 def init_tiny_model_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("dir")
     # The names are the models' `model_type` (models.tiny.ARCHS), listed here so that --help stays instant.

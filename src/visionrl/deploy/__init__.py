@@ -1,0 +1,2 @@
+"""Deploying a trained adapter to a cloud's serving: `sagemaker` (a SageMaker real-time endpoint, `visionrl deploy
+sagemaker`)."""
