@@ -23,10 +23,13 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 FAKE_SRUN = """#!/usr/bin/env bash
-# Stand-in for srun: drop srun's options, log the node (-w) and the command to $FAKE_SLURM_LOG, run the command
-# here in its own process group; on TERM/INT end the whole group, as Slurm ends the processes of a job step.
+# Stand-in for srun: drop srun's options, log the node (-w, or "!NODE" for --exclude=NODE) and the command to
+# $FAKE_SLURM_LOG, run the command here in its own process group; on TERM/INT end the whole group, as Slurm
+# ends the processes of a job step.
 node=""
-while [[ $# -gt 0 && $1 == -* ]]; do case $1 in -w) node=$2; shift 2;; -N|-n) shift 2;; *) shift;; esac; done
+while [[ $# -gt 0 && $1 == -* ]]; do
+  case $1 in -w) node=$2; shift 2;; --exclude=*) node="!${1#*=}"; shift;; -N|-n) shift 2;; *) shift;; esac
+done
 echo "$node $*" >> "$FAKE_SLURM_LOG"
 setsid "$@" & child=$!
 echo "$child" >> "$FAKE_SLURM_PGIDS"
@@ -183,8 +186,8 @@ with open(os.environ["FAKE_VISIONRL_OUT"], "w") as f:
 @pytest.mark.slow
 def test_sbatch_on_two_nodes_starts_a_ray_node_on_each_and_one_learner_rank_per_gpu(tmp_path: Path) -> None:
     """`visionrl.sbatch` in a fake allocation of 2 nodes x 2 GPUs: srun starts the Ray head on the first node
-    and a worker joining it on the second, each offering its 2 GPUs; the head runs `visionrl train` with
-    ray.num_learners=4 (2 x 2) on the cluster of both nodes; nothing of Ray is left running."""
+    and the workers (one step) on every other node, each offering its 2 GPUs; the head runs `visionrl train`
+    with ray.num_learners=4 (2 x 2) on the cluster of both nodes; nothing of Ray is left running."""
     import json
 
     ray_tmp = tempfile.mkdtemp(prefix="vrl-slurm-", dir="/tmp")
@@ -208,9 +211,9 @@ def test_sbatch_on_two_nodes_starts_a_ray_node_on_each_and_one_learner_rank_per_
         assert "2/2 node(s) joined" in out
         port = env["VISIONRL_RAY_PORT"]
         # Both srun steps start in the background: their lines come in either order.
-        head, worker = sorted((tmp_path / "srun.log").read_text().splitlines())
+        worker, head = sorted((tmp_path / "srun.log").read_text().splitlines())  # "!" sorts before letters
         assert head.startswith(f"vrl-a ray start --head --block --node-ip-address=127.0.0.1 --port={port} ")
-        assert worker.startswith(f"vrl-b ray start --block --address=127.0.0.1:{port} ")
+        assert worker.startswith(f"!vrl-a ray start --block --address=127.0.0.1:{port} ")  # all but the head
         assert head.endswith(" --num-cpus=1 --num-gpus=2") and worker.endswith(" --num-cpus=1 --num-gpus=2")
         seen = json.loads(seen_file.read_text())
         assert seen["argv"] == ["train", job, "train.steps=3", "ray.num_learners=4", "--resume", "auto"]
