@@ -66,10 +66,12 @@ SUBCOMMAND_OPTIONS = {
     "validate": ["config", "--schema", "--check-data"],
     "eval": ["--data", "--out", "--base", "--adapter", "--engine", "--endpoint", "--model", "--concurrency",
              "--timeout", "--max-failed-fraction", "--api-key", "--ablate-images", "--max-samples",
-             "--max-tokens", "--reward", "--seed", "--judge", "--min-pixels", "--max-pixels", "--max-images-per-prompt"],
+             "--max-tokens", "--reward", "--seed", "--judge", "--min-pixels", "--max-pixels", "--max-images-per-prompt",
+             "--sagemaker-endpoint", "--region"],
     "export": ["src", "dest", "--allow-unservable", "--overwrite"],
     "fetch": ["src", "--cache-dir"],
-    "serve": ["--base", "--adapter", "--host", "--port", "--api-key", "--allow-insecure", "--vllm-arg"],
+    "serve": ["--base", "--sagemaker", "--adapter", "--host", "--port", "--api-key", "--allow-insecure", "--vllm-arg"],
+    "deploy": ["sagemaker"],
     "init-tiny-model": ["dir", "--arch", "--seed", "--no-pretrain", "--recipe", "--score-head"],
     "make-data": ["dir", "--task", "--num-train", "--num-eval", "--seed", "--image-size", "--question-type"],
 }  # fmt: skip
@@ -107,6 +109,7 @@ def test_subcommand_help_shows_the_defaults_an_option_has(capsys: pytest.Capture
 def test_every_subcommand_runs_its_own_handler() -> None:
     parser = build_parser()
     minimal = {"train": ["job.yaml"], "export": ["a", "b"], "fetch": ["a"], "serve": ["--base", "m"],
+               "deploy": ["sagemaker", "--name", "e"],
                "init-tiny-model": ["d"], "make-data": ["d", "--task", "color"],
                "eval": ["--data", "d", "--out", "o"], "validate": []}  # fmt: skip
     for name, handler, _, _ in COMMANDS:
@@ -354,3 +357,28 @@ def test_eval_env_plays_episodes_with_the_job_files_environment(
     with pytest.raises(SystemExit) as usage:
         main(["eval", "--base", "m", "--env", str(job), *EVAL_SHARED])
     assert usage.value.code == 2 and "the job file has no env section" in capsys.readouterr().err
+
+
+def test_serve_and_deploy_name_what_they_lack(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("SM_MODEL_DIR", "VISIONRL_BASE_MODEL"):
+        monkeypatch.delenv(name, raising=False)
+    cases = [
+        (["serve"], "serve needs --base MODEL (or --sagemaker"),
+        (
+            ["serve", "--sagemaker", "--api-key", "k"],
+            "--api-key: SageMaker's runtime signs requests with IAM",
+        ),
+        (["deploy", "sagemaker", "--name", "e"], "deploy sagemaker needs --role and --base (or --delete)"),
+        (
+            ["deploy", "sagemaker", "--name", "e", "--role", "r", "--base", "b", "--env", "X"],
+            "--env 'X' is not KEY=VALUE",
+        ),
+    ]
+    if Path("/opt/ml/model").is_dir():  # a SageMaker container: `serve` alone is its hosting mode
+        cases = cases[1:]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == 2 and message in capsys.readouterr().err, argv

@@ -276,13 +276,10 @@ def _pairs(items: list[str], flag: str) -> dict[str, str]:
 
 
 def _cmd_deploy(args: argparse.Namespace) -> int:
-    import boto3  # type: ignore[import-untyped]
-
     from visionrl.deploy import sagemaker
 
-    client = boto3.client("sagemaker", region_name=args.region)
     if args.delete:
-        sagemaker.delete(args.name, client=client)
+        sagemaker.delete(args.name, client=sagemaker.sagemaker_client(args.region))
         return 0
     missing = [flag for flag, value in (("--role", args.role), ("--base", args.base)) if not value]
     if missing:
@@ -291,9 +288,10 @@ def _cmd_deploy(args: argparse.Namespace) -> int:
     spec = sagemaker.EndpointSpec(
         name=args.name, image=args.image or os.environ.get("VISIONRL_IMAGE", ""), role=args.role, base=args.base,
         adapters=adapters, instance_type=args.instance_type, instance_count=args.instance_count,
-        environment=_pairs(args.env, "--env"), startup_timeout_s=args.startup_timeout,
+        environment=_pairs(args.env, "--env"), startup_timeout_s=args.startup_timeout, adapter_root=args.adapter_root,
     )  # fmt: skip
-    sagemaker.deploy(spec, client=client, wait=not args.no_wait)
+    spec.check()
+    sagemaker.deploy(spec, client=sagemaker.sagemaker_client(args.region), wait=not args.no_wait)
     print(sagemaker.invoke_hint(args.name, list(adapters)))
     return 0
 

@@ -226,6 +226,13 @@ def deploy_args(sp: argparse.ArgumentParser) -> None:
         metavar="NAME=s3://...",
         help="exported adapter served as NAME (repeatable; checked against its manifest first)",
     )
+    sm.add_argument(
+        "--adapter-root",
+        default=None,
+        metavar="s3://...",
+        help="an S3 prefix of exports: a request for NAME loads ROOT/NAME on its first use (checked against its "
+        "manifest), so adapters exported later are served without a new deploy",
+    )
     sm.add_argument("--instance-type", default="ml.g6e.2xlarge", help="e.g. ml.g6e.2xlarge (one L40S, 48 GB)")
     sm.add_argument("--instance-count", type=int, default=1)
     sm.add_argument(

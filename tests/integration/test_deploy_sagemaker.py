@@ -61,19 +61,19 @@ def _sagemaker() -> Any:
     return boto3.session.Session().client("sagemaker", region_name=REGION)
 
 
-def _deploy(*adapters: str) -> int:
+def _deploy(*adapters: str, root: bool = False) -> int:
     argv = ["deploy", "sagemaker", "--name", "color", "--image", IMAGE, "--role", ROLE, "--base",
             f"s3://{BUCKET}/base", "--env", "VISIONRL_VLLM_ARGS=--max-loras 4", "--instance-type", "ml.g4dn.2xlarge"]  # fmt: skip
     # (moto checks instance types against an older list than SageMaker's: the default ml.g6e.2xlarge is not on it)
     for name in adapters:
         argv += ["--adapter", f"{name}=s3://{BUCKET}/{name}"]
-    return main(argv)
+    return main(argv + (["--adapter-root", f"s3://{BUCKET}/later/"] if root else []))
 
 
 def test_deploy_update_and_delete(
     calls: list[tuple[str, dict[str, Any]]], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert _deploy("a1") == 0
+    assert _deploy("a1", root=True) == 0
     names = [op for op, _ in calls]
     assert names == [
         "DescribeEndpoint",
@@ -90,7 +90,11 @@ def test_deploy_update_and_delete(
     ]
     assert model["PrimaryContainer"] == {
         "Image": IMAGE,
-        "Environment": {"VISIONRL_VLLM_ARGS": "--max-loras 4", "VISIONRL_ADAPTERS": f"a1=s3://{BUCKET}/a1"},
+        "Environment": {
+            "VISIONRL_VLLM_ARGS": "--max-loras 4",
+            "VISIONRL_ADAPTERS": f"a1=s3://{BUCKET}/a1",
+            "VISIONRL_ADAPTER_ROOT": f"s3://{BUCKET}/later/",
+        },
         "ModelDataSource": {
             "S3DataSource": {
                 "S3Uri": f"s3://{BUCKET}/base/",

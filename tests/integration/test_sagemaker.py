@@ -57,6 +57,7 @@ def aws(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[
         fs.put(str(tiny_model), f"{BUCKET}/base", recursive=True)
         for name, seed in (("a1", 1), ("a2", 2), ("bad", 3)):
             export_adapter(random_adapter(tiny_model, home / name, seed=seed), f"s3://{BUCKET}/{name}")
+        export_adapter(home / "a2", f"s3://{BUCKET}/root/a3")  # a2's weights under the adapter root as a3
         fs.pipe(f"{BUCKET}/bad/adapter_config.json", b'{"r": 8}')  # changed after its export
         yield {"url": url, "home": home, "env": dict(os.environ)}
 
@@ -91,7 +92,7 @@ def container(aws: dict[str, Any]) -> Iterator[dict[str, Any]]:
     port = free_port()
     env = {**aws["env"], "VISIONRL_BASE_MODEL": f"s3://{BUCKET}/base", "VISIONRL_ADAPTERS": f"a1=s3://{BUCKET}/a1",
            "VISIONRL_MODEL_CACHE": str(aws["home"] / "models"), "VISIONRL_ADAPTER_CACHE": str(aws["home"] / "adapters"),
-           "VISIONRL_VLLM_ARGS": "--max-loras 2"}  # fmt: skip
+           "VISIONRL_VLLM_ARGS": "--max-loras 2", "VISIONRL_ADAPTER_ROOT": f"s3://{BUCKET}/root/"}  # fmt: skip
     command = [
         sys.executable,
         "-m",
@@ -158,6 +159,7 @@ def test_invocations_take_the_adapter_from_the_body_or_the_header(container: dic
     base = [_answer(url, c, None) for c in COLORS]
     assert by_body == by_header
     assert by_body != base  # the adapter is applied
+    assert [_answer(url, c, "base") for c in COLORS] == base  # the base model's name at the endpoint
     assert all(answer for answer in by_body + base)
 
 
@@ -174,10 +176,17 @@ def test_adapters_load_and_unload_at_run_time(container: dict[str, Any]) -> None
     status, body = _post(url, "/adapters", {"name": "x"})
     assert status == 400 and '{"name": NAME, "src"' in body["error"]
 
+    a2 = [_answer(url, c, "a2") for c in COLORS]
     status, body = _post(url, "/adapters/a2", None, method="DELETE")
     assert (status, body["message"]) == (200, "Adapter a2 unregistered")
     status, body = _post(url, "/invocations", {"model": "a2", "messages": _chat(COLORS[0]), "max_tokens": 2})
-    assert status == 404 and "a2" in json.dumps(body)
+    assert status == 404 and "is not loaded, nor an export under" in body["error"]  # not under the root
+
+    # Under the adapter root: loaded on its first request, by the body's model or the header.
+    assert [_answer(url, c, "a3") for c in COLORS] == a2  # the same weights as a2
+    assert [_answer(url, c, None, header="a3") for c in COLORS] == a2
+    status, models = _get(url, "/v1/models")
+    assert "a3" in {m["id"] for m in json.loads(models)["data"]}
 
 
 class _Runtime(BaseHTTPRequestHandler):

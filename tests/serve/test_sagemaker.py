@@ -17,17 +17,11 @@ from typing import Any
 import pytest
 
 from visionrl.errors import InputError
+from visionrl.serve import sagemaker_backend
 from visionrl.serve.process import ServerHandle
-from visionrl.serve.sagemaker import (
-    ADAPTER_HEADER,
-    Backend,
-    Front,
-    adapter_header,
-    adapters_from_env,
-    base_source,
-    hosting_port,
-    in_sagemaker,
-)
+from visionrl.serve.sagemaker import adapters_from_env, base_source, hosting_port, in_sagemaker
+from visionrl.serve.sagemaker_backend import BASE_NAME, Backend
+from visionrl.serve.sagemaker_front import ADAPTER_HEADER, Front, adapter_header, requested_model
 
 
 def test_adapters_from_the_environment() -> None:
@@ -64,6 +58,35 @@ def test_the_body_model_becomes_the_adapter_header() -> None:
     assert adapter_header(body, given) == given
     assert adapter_header(b'{"messages": []}', {}) == {}
     assert adapter_header(b"not json", {}) == {} and adapter_header(b"[1]", {}) == {}
+    assert requested_model(body, {"x-amzn-sagemaker-adapter-identifier": "a3"}) == "a3"
+    assert requested_model(body, {}) == "a1" and requested_model(b'{"model": ""}', {}) is None
+
+
+def test_an_adapter_under_the_root_loads_once_on_its_first_requests(monkeypatch: pytest.MonkeyPatch) -> None:
+    loads: list[tuple[str, str]] = []
+
+    def load(url: str, name: str, src: str, **_: Any) -> Path:
+        time.sleep(0.2)  # the download: a second request comes meanwhile
+        loads.append((name, src))
+        return Path(src)
+
+    monkeypatch.setattr(sagemaker_backend, "load_adapter", load)
+    backend = Backend("/m", ["a1=s3://b/a1"], cache_dir=None, extra=[], ready_timeout_s=1, echo=None, progress=None,
+                      adapter_root="s3://b/adapters/")  # fmt: skip
+    backend.handle = ServerHandle(["true"], url="http://127.0.0.1:9")
+    threads = [threading.Thread(target=backend.ensure, args=("color-v3",)) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for loaded in (BASE_NAME, "a1", None, "color-v3"):  # the base, a start-up adapter, no model, a loaded one
+        backend.ensure(loaded)
+    assert loads == [("color-v3", "s3://b/adapters/color-v3")] and "color-v3" in backend.loaded
+    with pytest.raises(InputError, match="'..' is not an adapter name"):
+        backend.ensure("..")
+    without_root = Backend("/m", [], cache_dir=None, extra=[], ready_timeout_s=1, echo=None, progress=None)
+    without_root.ensure("color-v4")  # nothing to load from: vLLM answers that the model does not exist
+    assert len(loads) == 1
 
 
 class _StandIn(BaseHTTPRequestHandler):
@@ -116,7 +139,7 @@ def front(tmp_path: Path) -> Iterator[tuple[str, Backend]]:
     backend = Backend(
         "/models/base", [], cache_dir=tmp_path, extra=[], ready_timeout_s=1, echo=None, progress=None
     )
-    server = Front(("127.0.0.1", 0), backend, tmp_path)
+    server = Front(("127.0.0.1", 0), backend)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     backend.handle = ServerHandle(["true"], url=f"http://127.0.0.1:{vllm.server_address[1]}")
     try:

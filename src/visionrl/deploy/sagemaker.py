@@ -20,7 +20,8 @@ from typing import Any
 
 from visionrl.adapter.manifest import verify_adapter
 from visionrl.errors import InputError, RunError
-from visionrl.serve.sagemaker import ADAPTERS_ENV, BASE_ENV
+from visionrl.serve.sagemaker import ADAPTER_ROOT_ENV, ADAPTERS_ENV, BASE_ENV
+from visionrl.serve.sagemaker_backend import BASE_NAME
 
 TAG = "visionrl-endpoint"
 VARIANT = "main"
@@ -42,6 +43,7 @@ class EndpointSpec:
     instance_count: int = 1
     environment: Mapping[str, str] = field(default_factory=dict)
     startup_timeout_s: int = 1800  # SageMaker's limit for the model copy and for /ping's first 200, each
+    adapter_root: str | None = None  # s3:// prefix whose exports load on their first request
 
     def check(self) -> None:
         problems = []
@@ -62,6 +64,8 @@ class EndpointSpec:
         for name, src in self.adapters.items():
             if not src.startswith("s3://"):
                 problems.append(f"adapter {name}={src}: the container fetches adapters from s3:// only")
+        if self.adapter_root is not None and not self.adapter_root.startswith("s3://"):
+            problems.append(f"--adapter-root {self.adapter_root}: an s3:// prefix")
         if problems:
             raise InputError("deploy sagemaker:\n  - " + "\n  - ".join(problems))
 
@@ -70,6 +74,8 @@ class EndpointSpec:
         env = dict(self.environment)
         if self.adapters:
             env[ADAPTERS_ENV] = ",".join(f"{n}={s}" for n, s in self.adapters.items())
+        if self.adapter_root:
+            env[ADAPTER_ROOT_ENV] = self.adapter_root
         container: dict[str, Any] = {"Image": self.image, "Environment": env}
         if self.base.startswith("s3://"):
             uri = self.base.rstrip("/") + "/"  # an S3 prefix ends with a slash
@@ -132,7 +138,7 @@ def deploy(spec: EndpointSpec, *, client: Any = None, wait: bool = True, poll_s:
         verify_adapter(src)  # ExportError names the bad file
         say(f"adapter {name}: {src} matches its manifest")
     with aws_errors(f"deploying endpoint {spec.name}"):
-        return _deploy(spec, client or _client(), wait, poll_s, wait_s, say, stamp)
+        return _deploy(spec, client or sagemaker_client(), wait, poll_s, wait_s, say, stamp)
 
 
 def _deploy(spec: EndpointSpec, client: Any, wait: bool, poll_s: float, wait_s: float, say: Callable[[str], None],
@@ -194,7 +200,7 @@ def _delete_parts(client: Any, config: str, models: Sequence[str], say: Callable
 
 def delete(name: str, *, client: Any = None, say: Callable[[str], None] = print) -> None:
     """Delete the endpoint `name`, its endpoint config and its models."""
-    client = client or _client()
+    client = client or sagemaker_client()
     with aws_errors(f"deleting endpoint {name}"):
         _delete(client, name, say)
 
@@ -211,7 +217,7 @@ def _delete(client: Any, name: str, say: Callable[[str], None]) -> None:
 
 def invoke_hint(name: str, adapters: Sequence[str]) -> str:
     """How to call the endpoint, for the console."""
-    model = adapters[0] if adapters else "/opt/ml/model"
+    model = adapters[0] if adapters else BASE_NAME
     return (
         f"evaluate: visionrl eval --sagemaker-endpoint {name} --model {model} --data EVAL.jsonl --out report.json\n"
         "invoke:   aws sagemaker-runtime invoke-endpoint --endpoint-name "
@@ -226,7 +232,9 @@ def _stamp() -> str:
     return time.strftime("%Y%m%d-%H%M%S", time.gmtime(now)) + f"-{int(now * 1000) % 1000:03d}"
 
 
-def _client() -> Any:
+def sagemaker_client(region: str | None = None) -> Any:
+    """boto3's SageMaker client for `region` (default: the AWS environment's); a missing region is an InputError."""
     import boto3  # type: ignore[import-untyped]
 
-    return boto3.client("sagemaker")
+    with aws_errors("connecting to SageMaker"):
+        return boto3.client("sagemaker", region_name=region)

@@ -7,16 +7,14 @@ request. vLLM's server has both routes but listens only after its model loaded, 
 check) would see a refused connection rather than a 503 for the minutes an 8B model takes. Here a small front binds
 the port at once and answers 503 (with what is loading) while, on a thread, the base model is fetched (a folder, the
 model directory SageMaker mounts, or `s3://`), the adapters are fetched and checked against their manifests (as
-`visionrl serve` does) and vLLM starts on 127.0.0.1; from then on every request goes through to vLLM unchanged
-(`/invocations` takes the OpenAI chat request, images as data URLs; the adapter is the body's `model` or SageMaker's
-`X-Amzn-SageMaker-Adapter-Identifier` header). `POST /adapters {"name", "src"}` and `DELETE /adapters/NAME`
-(SageMaker's adapter routes) load and unload adapters at run time, `src` fetched and checked as at start.
+`visionrl serve` does) and vLLM starts on 127.0.0.1 (`serve.sagemaker_backend`); from then on every request goes
+through to vLLM (`/invocations` takes the OpenAI chat request, images as data URLs; the adapter is the body's `model`
+or SageMaker's `X-Amzn-SageMaker-Adapter-Identifier` header), and adapters load at run time (`serve.sagemaker_front`).
+This module reads the settings SageMaker can give, all by environment, and runs the two.
 """
 
 from __future__ import annotations
 
-import http.client
-import json
 import os
 import shlex
 import signal
@@ -24,16 +22,13 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, TextIO
-from urllib.parse import unquote, urlsplit
+from typing import TextIO
 
-from visionrl.errors import BAD_INPUT_ERRORS, InputError, RunError
-from visionrl.serve.adapters import load_adapter, unload_adapter
-from visionrl.serve.model_source import local_model_dir
-from visionrl.serve.process import ServerError, ServerHandle
-from visionrl.serve.server import READY_TIMEOUT_S, prepare_server
+from visionrl.errors import InputError
+from visionrl.serve.sagemaker_backend import Backend
+from visionrl.serve.sagemaker_front import Front
+from visionrl.serve.server import READY_TIMEOUT_S
 
 PORT = 8080
 PORT_ENV = "SAGEMAKER_BIND_TO_PORT"
@@ -42,11 +37,7 @@ DEFAULT_MODEL_DIR = "/opt/ml/model"
 BASE_ENV = "VISIONRL_BASE_MODEL"
 ADAPTERS_ENV = "VISIONRL_ADAPTERS"
 VLLM_ARGS_ENV = "VISIONRL_VLLM_ARGS"
-ADAPTER_HEADER = "X-Amzn-SageMaker-Adapter-Identifier"
-PING_TIMEOUT_S = 1.5  # SageMaker gives /ping 2 s
-INVOCATION_TIMEOUT_S = 900.0  # the longest a forwarded request may take (SageMaker's own limit is lower)
-FORWARDED_HEADERS = ("content-type", "accept", "authorization")  # and every X-Amzn-SageMaker-* header
-HOP_HEADERS = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "server", "date"})
+ADAPTER_ROOT_ENV = "VISIONRL_ADAPTER_ROOT"
 
 
 def adapters_from_env(text: str | None) -> list[str]:
@@ -82,205 +73,6 @@ def hosting_port(port: int | None, environ: Mapping[str, str]) -> int:
         raise InputError(f"{PORT_ENV}={text!r} is not a port number") from None
 
 
-class Backend:
-    """vLLM behind the front: the base model and adapters fetched, then the server started and waited for, on a
-    thread. `state` is loading, ready or failed (then `error` says why)."""
-
-    def __init__(self, base: str, adapters: Sequence[str], *, cache_dir: Path | None, extra: Sequence[str],
-                 ready_timeout_s: float, echo: TextIO | None, progress: Any) -> None:  # fmt: skip
-        self.base, self.adapters, self.cache_dir = base, list(adapters), cache_dir
-        self.extra, self.ready_timeout_s, self.echo, self.progress = (
-            list(extra),
-            ready_timeout_s,
-            echo,
-            progress,
-        )
-        self.state, self.error, self.stage = "loading", "", "starting"
-        self.handle: ServerHandle | None = None
-        self.done = threading.Event()
-        self._lock = threading.Lock()
-        self._stopping = False
-
-    def load(self) -> None:
-        try:
-            self.stage = f"fetching the base model {self.base}"
-            model = local_model_dir(
-                self.base, self.cache_dir and self.cache_dir / "models", progress=self.progress
-            )
-            self.stage = "fetching and checking the adapters"
-            handle = prepare_server(str(model), self.adapters, extra=self.extra, echo=self.echo,
-                                    cache_dir=self.cache_dir and self.cache_dir / "adapters")  # fmt: skip
-            with self._lock:
-                if self._stopping:
-                    return
-                self.handle = handle.start()
-            self.stage = "vLLM is loading the model"
-            handle.wait_ready(self.ready_timeout_s, progress=self.progress)
-            self.state = "ready"
-        except (InputError, RunError) as err:  # a bad base or adapter, vLLM failing to start
-            self.state, self.error = "failed", str(err)
-        finally:
-            self.done.set()
-
-    def stop(self) -> None:
-        with self._lock:
-            self._stopping = True
-        if self.handle is not None:
-            self.handle.stop()
-
-    def status(self) -> dict[str, Any]:
-        return {"status": self.state, "stage": self.stage, **({"error": self.error} if self.error else {})}
-
-
-class Front(ThreadingHTTPServer):
-    """The port SageMaker talks to; one thread a request."""
-
-    daemon_threads = True
-
-    def __init__(self, address: tuple[str, int], backend: Backend, cache_dir: Path | None) -> None:
-        self.backend, self.cache_dir = backend, cache_dir
-        super().__init__(address, _Handler)
-
-
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    server: Front
-
-    def log_message(self, format: str, *args: Any) -> None:
-        if not self.path.startswith("/ping"):  # SageMaker pings every few seconds: keep the log readable
-            sys.stderr.write(
-                f"[sagemaker] {self.command} {self.path} -> {args[1] if len(args) > 1 else ''}\n"
-            )
-
-    def do_GET(self) -> None:
-        self._route()
-
-    def do_POST(self) -> None:
-        self._route()
-
-    def do_DELETE(self) -> None:
-        self._route()
-
-    def _route(self) -> None:
-        path = urlsplit(self.path).path
-        body = self._body()
-        backend = self.server.backend
-        if path == "/ping":
-            return self._ping()
-        if backend.state != "ready" or backend.handle is None:
-            return self._json(503, backend.status())
-        if path == "/adapters" and self.command == "POST":
-            return self._register(body, backend.handle)
-        if path.startswith("/adapters/") and self.command == "DELETE":
-            return self._unregister(unquote(path[len("/adapters/") :]), backend.handle)
-        self._forward(body, backend.handle)
-
-    def _body(self) -> bytes:
-        length = int(self.headers.get("Content-Length") or 0)
-        return self.rfile.read(length) if length > 0 else b""
-
-    def _json(self, status: int, payload: Any) -> None:
-        data = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def _ping(self) -> None:
-        backend = self.server.backend
-        if backend.state != "ready" or backend.handle is None:
-            return self._json(503, backend.status())
-        try:  # vLLM's own health: 200 while its engine is alive
-            status = _request(backend.handle, "GET", "/health", b"", {}, PING_TIMEOUT_S)[0]
-        except OSError as err:
-            return self._json(503, {"status": "failed", "error": f"vLLM does not answer ({err})"})
-        self._json(200 if status == 200 else 503, {"status": "ready" if status == 200 else "unhealthy"})
-
-    def _register(self, body: bytes, handle: ServerHandle) -> None:
-        try:
-            request = json.loads(body or b"{}")
-            name, src = request["name"], request["src"]
-            load_adapter(handle.url, str(name), str(src), cache_dir=_sub(self.server.cache_dir, "adapters"))
-        except (json.JSONDecodeError, KeyError, TypeError):
-            return self._json(
-                400, {"error": 'POST /adapters takes {"name": NAME, "src": "s3://... or a folder"}'}
-            )
-        except ServerError as err:
-            return self._json(err.status or 502, {"error": str(err)})
-        except BAD_INPUT_ERRORS as err:  # a damaged export, an unservable adapter, a bad name
-            return self._json(400, {"error": str(err)})
-        self._json(200, {"message": f"Adapter {name} registered"})
-
-    def _unregister(self, name: str, handle: ServerHandle) -> None:
-        try:
-            unload_adapter(handle.url, name)
-        except ServerError as err:
-            return self._json(err.status or 502, {"error": str(err)})
-        self._json(200, {"message": f"Adapter {name} unregistered"})
-
-    def _forward(self, body: bytes, handle: ServerHandle) -> None:
-        """The request to vLLM as it came; the answer back, streamed when vLLM streams (no Content-Length)."""
-        headers = {k: v for k, v in self.headers.items()
-                   if k.lower() in FORWARDED_HEADERS or k.lower().startswith("x-amzn-sagemaker-")}  # fmt: skip
-        if urlsplit(self.path).path == "/invocations":
-            headers = adapter_header(body, headers)
-        try:
-            conn = http.client.HTTPConnection(urlsplit(handle.url).netloc, timeout=INVOCATION_TIMEOUT_S)
-            conn.request(self.command, self.path, body=body or None, headers=headers)
-            response = conn.getresponse()
-        except OSError as err:
-            return self._json(502, {"error": f"vLLM did not answer ({err})"})
-        try:
-            self.send_response(response.status)
-            for key, value in response.getheaders():
-                if key.lower() not in HOP_HEADERS:
-                    self.send_header(key, value)
-            if response.length is not None:
-                data = response.read()
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-                return
-            self.send_header("Transfer-Encoding", "chunked")
-            self.end_headers()
-            while chunk := response.read1(65536):
-                self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
-                self.wfile.flush()
-            self.wfile.write(b"0\r\n\r\n")
-        finally:
-            conn.close()
-
-
-def adapter_header(body: bytes, headers: dict[str, str]) -> dict[str, str]:
-    """The headers of an /invocations request with SageMaker's adapter header set to the body's `model` where the
-    caller named the adapter only in the body: vLLM's /invocations takes the adapter from that header and replaces
-    the body's `model` with it, with nothing when the header is absent, so the base model would answer a request
-    for an adapter (docs/ENGINE_NOTES.md, SageMaker's /invocations)."""
-    if any(k.lower() == ADAPTER_HEADER.lower() for k in headers):
-        return headers
-    try:
-        model = json.loads(body).get("model") if body else None
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
-        return headers  # vLLM answers a body that is not a JSON object itself
-    return {**headers, ADAPTER_HEADER: model} if isinstance(model, str) and model else headers
-
-
-def _sub(folder: Path | None, name: str) -> Path | None:
-    return None if folder is None else folder / name
-
-
-def _request(handle: ServerHandle, method: str, path: str, body: bytes, headers: dict[str, str],
-             timeout_s: float) -> tuple[int, bytes]:  # fmt: skip
-    conn = http.client.HTTPConnection(urlsplit(handle.url).netloc, timeout=timeout_s)
-    try:
-        conn.request(method, path, body=body or None, headers=headers)
-        response = conn.getresponse()
-        return response.status, response.read()
-    finally:
-        conn.close()
-
-
 def serve_sagemaker(
     base: str | None = None,
     adapters: Sequence[str] = (),
@@ -295,7 +87,8 @@ def serve_sagemaker(
 ) -> int:
     """`visionrl serve --sagemaker`: the front on `host:port` at once, the model behind it as it loads; runs until
     SIGTERM/SIGINT (0) or until loading fails or vLLM dies (1, the reason on stderr). Adapters are `adapters`
-    plus $VISIONRL_ADAPTERS; $VISIONRL_VLLM_ARGS adds vLLM flags (e.g. "--max-loras 4 --max-lora-rank 64")."""
+    plus $VISIONRL_ADAPTERS, and any export under $VISIONRL_ADAPTER_ROOT on its first request; $VISIONRL_VLLM_ARGS
+    adds vLLM flags (e.g. "--max-loras 4 --max-lora-rank 64"). The base model's name at the endpoint is `base`."""
     environ = os.environ if environ is None else environ
     out = out or sys.stdout
     named = adapters_from_env(environ.get(ADAPTERS_ENV)) + list(adapters)
@@ -303,9 +96,10 @@ def serve_sagemaker(
     cache = Path(cache_dir) if cache_dir is not None else None
     say = lambda text: print(f"[sagemaker] {text}", file=sys.stderr, flush=True)  # noqa: E731
     backend = Backend(base_source(base, environ), named, cache_dir=cache, extra=extra,
-                      ready_timeout_s=ready_timeout_s, echo=sys.stderr, progress=say)  # fmt: skip
+                      ready_timeout_s=ready_timeout_s, echo=sys.stderr, progress=say,
+                      adapter_root=environ.get(ADAPTER_ROOT_ENV) or None)  # fmt: skip
     try:
-        front = Front((host, hosting_port(port, environ)), backend, cache)
+        front = Front((host, hosting_port(port, environ)), backend)
     except OSError as err:
         raise InputError(f"cannot listen on {host}:{hosting_port(port, environ)} ({err.strerror or err}); "
                          "another server may hold the port") from None  # fmt: skip
