@@ -7,6 +7,7 @@ outputs at real positions are exact, M-RoPE positions of real tokens are unchang
 causal kernel (a padding mask sends SDPA to a slower path; completions of spread lengths made that 2.5x slower,
 docs/ENGINE_NOTES.md). Row b's completion starts at column `starts[b]`; the logit of its token t sits at
 `starts[b] - 1 + t`.
+With `train.packing` the sequences sit end to end in one row instead (`visionrl.models.packing`).
 The completions of one group share their prompt's images: with `share_images` each distinct prompt's pixels
 are sent once, and `image_share` tells the vision tower hooks (`train.forward.SharedImages`) how to hand out
 the copies.
