@@ -20,7 +20,7 @@ is matched) runs after visionrl in its own process; its figures land in `trl` an
 
 On a CUDA machine with vLLM and Ray, from the repository root:
     PYTHONPATH=src python benchmarks/gpu_grpo_step.py [--sizes 64x8x512,16x8x256] [--steps 3] [--trl 64x8x512]
-        [--work DIR] [--merge] [key=value ...]
+        [--work DIR] [--merge] [--packing] [key=value ...]
 (`--work` keeps the checkpoint and data for a later call; `--merge` keeps the other rows of the results file.)
 On the CPU (a smoke run of the same code with small shapes and the CPU vLLM):  ... --smoke
 """
@@ -208,8 +208,15 @@ def main() -> None:
         action="store_true",
         help="measure nothing: recompute the TRL ratios and the targets of the results file in --out",
     )
+    p.add_argument(
+        "--packing",
+        action="store_true",
+        help="the learner packs sequences end to end (train.packing=true) instead of padding them",
+    )
     p.add_argument("overrides", nargs="*", help="extra key=value overrides of the job file, for every size")
     args = p.parse_args()
+    if args.packing:
+        args.overrides = [*args.overrides, "train.packing=true"]
     if args.targets_only:
         path = Path(args.out) / "gpu_grpo_step.json"
         report = json.loads(path.read_text())

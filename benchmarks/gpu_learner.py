@@ -9,6 +9,9 @@ benchmarks/NOTES-gpu-learner.md; the results file is benchmarks/results/gpu_lear
 On a CUDA machine, from the repository root:
     PYTHONPATH=src python benchmarks/gpu_learner.py [--prompts 16] [--group 8] [--new-tokens 512]
 On the CPU (a smoke run of the same code with small shapes):  ... --smoke
+Padding-free packing (`train.packing`): `--packing` turns it on in any mode; `--packing-levers` times the shipped
+setting padded and then packed on equal and spread completion lengths (`--lengths equal|spread|both`; spread:
+each length drawn from [T/8, T], seeded, its histogram printed), `--attn` picks the learner's attention kernel.
 """
 
 from __future__ import annotations
@@ -66,13 +69,14 @@ def job(model_dir: Path, args: argparse.Namespace):
                 "path": str(model_dir),
                 "dtype": "float32" if args.smoke else "bfloat16",
                 "gradient_checkpointing": True,
+                "attn_implementation": args.attn,
             },
             "data": {"train": "unused.jsonl"},
             "rewards": [{"name": "exact_match"}],
             "lora": {"rank": 64, "alpha": 128, "train_merger": True},
             "algorithm": {"group_size": args.group, "updates_per_batch": 2, "clip_high": 0.28},
             "rollout": {"prompts_per_step": args.prompts, "max_new_tokens": args.new_tokens},
-            "train": {"lr": 1e-5, "micro_batch_tokens": 16384},
+            "train": {"lr": 1e-5, "micro_batch_tokens": 16384, "packing": args.packing},
         }
     )
 
@@ -117,6 +121,19 @@ def make_batch(learner, args: argparse.Namespace, spread: bool):
     return TrainBatch(prompts, seqs)
 
 
+def length_histogram(batch, new_tokens: int, bins: int = 8) -> list[int]:
+    """How many completions fall in each of `bins` equal slices of [0, T] (the last one includes T)."""
+    counts = [0] * bins
+    for s in batch.sequences:
+        counts[min(len(s.completion_ids) * bins // new_tokens, bins - 1)] += 1
+    return counts
+
+
+def histogram_line(counts: list[int], new_tokens: int) -> str:
+    width = new_tokens // len(counts)
+    return "  ".join(f"{i * width}-{(i + 1) * width}: {c}" for i, c in enumerate(counts))
+
+
 def configure(learner, variant: dict[str, Any]) -> None:
     for k, v in variant.get("train", {}).items():
         setattr(learner.cfg.train, k, v)
@@ -129,7 +146,9 @@ def configure(learner, variant: dict[str, Any]) -> None:
         if n == 0:
             learner.model.gradient_checkpointing_disable()
         else:
-            learner._checkpoint_layers(n)
+            from visionrl.models.loader import checkpoint_layers
+
+            checkpoint_layers(learner.model, n)
 
 
 def timed_step(learner, batch) -> dict[str, float]:
@@ -194,6 +213,25 @@ def main() -> None:
     )
     p.add_argument("--memory-budget-gib", type=float, default=76.0, help="the learner's share when colocated")
     p.add_argument(
+        "--packing",
+        action="store_true",
+        help="train.packing: sequences end to end in rows of the token budget instead of padded micro-batches",
+    )
+    p.add_argument(
+        "--lengths",
+        choices=["equal", "spread", "both"],
+        default="both",
+        help="completion lengths: all T, or each drawn from [T/8, T] (seeded; its histogram is printed); the "
+        "lever modes time the lengths asked for, the default run its variants on this one (both: equal) and "
+        "one row on the spread",
+    )
+    p.add_argument(
+        "--packing-levers",
+        action="store_true",
+        help="only the shipped setting padded and then packed, on the lengths asked for; adds their rows to the "
+        "results file as `packing` (the target: spread lengths at least 95%% of the equal-length tokens/s)",
+    )
+    p.add_argument(
         "--layout-only",
         action="store_true",
         help="only the no-recompute settings on equal and spread completion lengths; adds their rows to the "
@@ -205,12 +243,21 @@ def main() -> None:
         help="only the levers after the shipped setting (no recompute, micro-batch 8192): the engine's log-probs "
         "as the old policy, then compiled decoder layers; adds their rows to the results file as `next_levers`",
     )
+    p.add_argument("--compile-layers", action="store_true", help="--packing-levers with train.compile")
+    p.add_argument(
+        "--attn",
+        default="sdpa",
+        help="model.attn_implementation of the learner (sdpa, eager, flash_attention_2)",
+    )
     args = p.parse_args()
     if args.layout_only:
         layout_rows(args)
         return
     if args.next_levers:
         next_lever_rows(args)
+        return
+    if args.packing_levers:
+        packing_rows(args)
         return
     from visionrl.train.learner import Learner
 
@@ -222,7 +269,7 @@ def main() -> None:
         t_build = time.perf_counter() - t0
         cfg = job(model_dir, args)
         learner = Learner(cfg, device=device)
-        batch = make_batch(learner, args, spread=False)
+        batch = make_batch(learner, args, spread=args.lengths == "spread")
         configure(learner, VARIANTS[0])
         learner.train_step(batch)  # warm-up: kernels, cuBLAS handles, the allocator's first segments
         for v in VARIANTS:
@@ -238,9 +285,13 @@ def main() -> None:
                 f"{v['name']:<62} {r['step_s']:7.1f} s {r['tokens_per_s']:9.0f} tok/s {r['peak_mem_gib']:6.1f} GiB",
                 flush=True,
             )
-        spread = make_batch(learner, args, spread=True)
-        r = timed_step(learner, spread)
-        rows.append({"variant": "last variant, completion lengths spread over [T/8, T]", **r})
+        if args.lengths != "spread":
+            spread = make_batch(learner, args, spread=True)
+            r = timed_step(learner, spread)
+            rows.append({"variant": "last variant, completion lengths spread over [T/8, T]", **r})
+            print(
+                f"spread lengths: {histogram_line(length_histogram(spread, args.new_tokens), args.new_tokens)}"
+            )
         vision = vision_tower(learner, args, 64)
         weights_gib = sum(t.numel() * t.element_size() for t in learner.model.parameters()) / 2**30
     result = {
@@ -315,21 +366,39 @@ def lever_rows(args: argparse.Namespace, variants: list[dict[str, Any]]) -> list
         model_dir = shaped_checkpoint(Path(tmp), args)
         learner = Learner(job(model_dir, args), device=device)
         equal, spread = make_batch(learner, args, spread=False), make_batch(learner, args, spread=True)
+        batches = [("equal lengths", equal), ("lengths spread over [T/8, T]", spread)]
+        batches = [b for b in batches if args.lengths == "both" or b[0].startswith(args.lengths)]
         configure(learner, VARIANTS[0])
-        learner.train_step(equal)  # warm-up
+        learner.train_step(batches[0][1])  # warm-up
         for v in variants:
             configure(learner, v)
             if v.get("compile"):
                 compile_decoder_layers(learner.model)
                 rows.append({"variant": f"{v['name']}: first step (compiles)", **timed_step(learner, equal)})
-            for name, batch in (("equal lengths", equal), ("lengths spread over [T/8, T]", spread)):
+            for name, batch in batches:
                 try:
                     r = timed_step(learner, batch)
                 except torch.OutOfMemoryError:
                     r = {"error": "out of memory"}
-                rows.append({"variant": f"{v['name'].strip()}, {name}", **r})
+                hist = length_histogram(batch, args.new_tokens)
+                rows.append({"variant": f"{v['name'].strip()}, {name}", **r, "length_histogram": hist})
                 print(json.dumps(rows[-1]), flush=True)
+    print_lever_table(rows, args.new_tokens)
     return rows
+
+
+def print_lever_table(rows: list[dict[str, Any]], new_tokens: int) -> None:
+    """The rows as a table, each with the histogram of its completion lengths (T/8-wide bins)."""
+    print(f"\n{'variant':<90}{'s':>8}{'tok/s':>9}{'old-lp s':>10}{'GiB':>7}  completion lengths")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['variant']:<90} {r['error']}")
+            continue
+        hist = histogram_line(r["length_histogram"], new_tokens) if "length_histogram" in r else ""
+        print(
+            f"{r['variant']:<90}{r['step_s']:8.2f}{r['tokens_per_s']:9.0f}{r['old_logprob_s']:10.2f}"
+            f"{r['peak_mem_gib']:7.1f}  {hist}"
+        )
 
 
 def save_section(args: argparse.Namespace, key: str, section: dict[str, Any]) -> None:
@@ -369,6 +438,32 @@ def next_lever_rows(args: argparse.Namespace) -> None:
     device = "cpu" if args.smoke else torch.cuda.get_device_name(0)
     save_section(
         args, "next_levers", {"device": device, "versions": {"torch": torch.__version__}, "rows": rows}
+    )
+
+
+PACKING_LEVERS: list[dict[str, Any]] = [
+    {
+        "name": "shipped: no recompute, micro-batch 8192, engine log-probs, padded rows",
+        "ckpt": 0,
+        "train": {"micro_batch_tokens": 8192, "packing": False},
+        "algorithm": {"rollout_correction": "off", "old_logprobs": "engine"},
+    },
+    {"name": "+ packed rows (train.packing)", "train": {"packing": True}},
+]
+
+
+def packing_rows(args: argparse.Namespace) -> None:
+    """The shipped learner setting padded, then packed, on the lengths asked for (`--lengths`); compiled layers
+    with `--compile-layers` (their first step timed apart). The target: packed spread >= 95% of equal tokens/s."""
+    levers = [dict(v) for v in PACKING_LEVERS]
+    if args.compile_layers:
+        levers[0] = {**levers[0], "compile": True}
+    rows = lever_rows(args, levers)
+    device = "cpu" if args.smoke else torch.cuda.get_device_name(0)
+    save_section(
+        args,
+        "packing",
+        {"device": device, "attn": args.attn, "versions": {"torch": torch.__version__}, "rows": rows},
     )
 
 

@@ -185,6 +185,12 @@ class TrainConfig(Section):
         description="Encode each distinct image of a learner micro-batch once (a group's completions share "
         "their prompt's images) instead of once per completion.",
     )
+    packing: bool = Field(
+        False,
+        description="Padding-free micro-batches: sequences end to end in rows of at most micro_batch_tokens "
+        "(logprob_batch_tokens for the no-gradient passes), each with its own M-RoPE positions and attention "
+        "that stays inside it (models.packing); the same log-probs as padded rows, without computing padding.",
+    )
     compile: bool = Field(
         False,
         description="torch.compile each decoder layer of the language model (dynamic shapes: one compilation "

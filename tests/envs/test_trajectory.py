@@ -164,3 +164,46 @@ def test_the_hf_engine_reads_a_token_prompt_as_the_text_prompt(tiny_model: Path,
     torch.testing.assert_close(
         torch.tensor(by_tokens[0].logprobs), torch.tensor(by_text[0].logprobs), atol=1e-5, rtol=0
     )
+
+
+def test_a_packed_episode_keeps_its_environment_tokens_out(
+    tiny_model: Path, color_data: Path, processor
+) -> None:
+    """`train.packing`: an episode (observation images in its completion, NaN log-probs on the environment's
+    tokens) packed in one row with a plain sequence scores as in padded rows (1e-5), its environment tokens 0."""
+    from visionrl.train.encoding import episodes_expanded
+    from visionrl.train.learner import Learner, TrainBatch
+
+    raw = {
+        "output_dir": "unused",
+        "model": {"path": str(tiny_model), "dtype": "float32"},
+        "data": {"train": str(color_data / "train.jsonl")},
+        "rewards": [{"name": "exact_match"}],
+        "lora": {"rank": 8},
+        "algorithm": {"group_size": 2},
+        "rollout": {"prompts_per_step": 1, "max_new_tokens": 4},
+    }
+    learner = Learner(config_from_dict(raw), device="cpu")
+    glue = ChatGlue(processor)
+    episode = _episode(processor, glue)
+    red, _ = _pictures(processor)
+    plain = PromptItem(glue.render(episode.messages[:1], True), [red])
+    batch = TrainBatch(
+        [episode.train_prompt(), plain],
+        [
+            Sequence(0, episode.ids, 0.0, episode.logprobs, env_mask=episode.env_mask),
+            Sequence(1, episode.ids[:2], 0.0, [0.0, 0.0]),
+        ],
+    )
+    padded = learner.logprobs(batch)
+    learner.cfg.train.packing = True
+    encoded = learner.encode_prompts(batch.prompts)
+    seqs, _ = episodes_expanded(learner.processor, encoded, batch.sequences)  # observations expanded
+    mbs = learner._micro_batches(encoded, seqs, range(2))
+    assert len(mbs) == 1 and mbs[0].segments is not None and len(mbs[0].image_grid_thw) == 3  # 2 + 1 pictures
+    packed = learner.logprobs(batch)
+    assert [len(x) for x in packed] == [len(episode.ids), 2]
+    for p, q in zip(packed, padded, strict=True):
+        torch.testing.assert_close(torch.tensor(p), torch.tensor(q), atol=1e-5, rtol=0)
+    assert all(x == 0.0 for x, env in zip(packed[0], episode.env_mask, strict=True) if env)
+    assert all(x < 0.0 for x, env in zip(packed[0], episode.env_mask, strict=True) if not env)

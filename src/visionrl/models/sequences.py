@@ -7,6 +7,7 @@ outputs at real positions are exact, M-RoPE positions of real tokens are unchang
 causal kernel (a padding mask sends SDPA to a slower path; completions of spread lengths made that 2.5x slower,
 docs/ENGINE_NOTES.md). Row b's completion starts at column `starts[b]`; the logit of its token t sits at
 `starts[b] - 1 + t`.
+With `train.packing` the sequences sit end to end in one row instead (`visionrl.models.packing`).
 The completions of one group share their prompt's images: with `share_images` each distinct prompt's pixels
 are sent once, and `image_share` tells the vision tower hooks (`train.forward.SharedImages`) how to hand out
 the copies.
@@ -82,6 +83,15 @@ class Sequence:
 
 
 @dataclass
+class PackedSegments:
+    """Where the sequences of a packed row sit: segment j spans columns bounds[j]:bounds[j + 1] (the last segment
+    is the row's padding when there is any), and holds `images[j]` of the micro-batch's images, in order."""
+
+    bounds: list[int]
+    images: list[int]
+
+
+@dataclass
 class MicroBatch:
     input_ids: torch.Tensor  # [B, L]
     attention_mask: torch.Tensor  # [B, L]: 1 on real tokens (all padding is at the end of a row)
@@ -97,6 +107,14 @@ class MicroBatch:
     num_tokens: int  # real completion tokens (the mask's sum)
     sequence_tokens: int  # real prompt (image tokens included) + completion tokens
     image_share: ImageShare | None = None  # set when rows share images (pixel_values holds each once)
+    # a packed micro-batch (`models.packing`): one row of B sequences end to end; the per-sequence fields above
+    # ([B, T], [B]) keep their meaning, `starts` counts columns of that row
+    segments: PackedSegments | None = None
+
+    @property
+    def hidden_rows(self) -> torch.Tensor | None:
+        """[B]: the input row each sequence sits in (all in row 0 when packed); None: sequence b is row b."""
+        return None if self.segments is None else torch.zeros(len(self.rows), dtype=torch.long)
 
     def rows_of(self, store: dict[int, torch.Tensor]) -> torch.Tensor:
         """[B, T]: each row's per-token values from `store` (sequence index -> [k]), cut or zero-padded to T."""
@@ -128,6 +146,62 @@ def share_plan(grids: list[torch.Tensor], sources: list[int], merge: int) -> Ima
     return ImageShare(unique_grid_thw=torch.cat(grids), token_index=index)
 
 
+def sequence_tokens(prompt: EncodedPrompt, seq: Sequence) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token ids [n + k] of the prompt followed by the completion, and the modality of each (an episode's
+    completion holds its observations' image tokens)."""
+    k = len(seq.completion_ids)
+    ids = torch.cat([prompt.input_ids, torch.tensor(seq.completion_ids, dtype=torch.long)])
+    mm = (
+        torch.zeros(k, dtype=torch.long) if seq.completion_mm is None else torch.tensor(seq.completion_mm[:k])
+    )
+    return ids, torch.cat([prompt.mm_token_type_ids, mm.long()])
+
+
+def completion_tensors(
+    chosen: list[Sequence], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[B, T] per sequence: completion ids (pad after the end), the mask of the tokens in the loss, and the
+    sampling log-probs (0 where there is none)."""
+    T = max(max(len(s.completion_ids), 1) for s in chosen)
+    comp = torch.full((len(chosen), T), pad_id, dtype=torch.long)
+    comp_mask = torch.zeros((len(chosen), T))
+    samp = torch.zeros((len(chosen), T))
+    for b, s in enumerate(chosen):
+        k = len(s.completion_ids)
+        if k:
+            comp[b, :k] = torch.tensor(s.completion_ids, dtype=torch.long)
+            comp_mask[b, :k] = s.scored().float()  # no log-prob, or masked by the correction: not in the loss
+            samp[b, :k] = torch.tensor(s.sampling_logprobs[:k], dtype=torch.float32).nan_to_num(0.0)
+    return comp, comp_mask, samp
+
+
+def gather_images(
+    prompts: list[EncodedPrompt], chosen: list[Sequence], share_images: bool, merge_size: int
+) -> tuple[torch.Tensor | None, torch.Tensor | None, ImageShare | None]:
+    """The pixels and grids of the images of the sequences `chosen`, in their order (the order of their image
+    placeholders in the micro-batch), and with `share_images` each distinct prompt's pixels once plus the plan
+    that hands out the copies."""
+    pixels: list[torch.Tensor] = []
+    grids: list[torch.Tensor] = []
+    sources: list[int] = []
+    distinct: dict[int, int] = {}
+    for b, s in enumerate(chosen):
+        ep = prompts[s.prompt]
+        if ep.pixel_values is None or ep.image_grid_thw is None:
+            continue
+        grids.append(ep.image_grid_thw)
+        key = s.prompt if share_images else -1 - b  # without sharing every sequence is its own source
+        if key not in distinct:
+            distinct[key] = len(distinct)
+            pixels.append(ep.pixel_values)
+        sources.append(distinct[key])
+    share = None
+    if pixels and len(pixels) < len(grids):
+        unique_grids = [grids[sources.index(u)] for u in range(len(pixels))]
+        share = share_plan(unique_grids, sources, merge_size)
+    return torch.cat(pixels) if pixels else None, torch.cat(grids) if grids else None, share
+
+
 def collate(
     prompts: list[EncodedPrompt],
     seqs: list[Sequence],
@@ -139,7 +213,6 @@ def collate(
 ) -> MicroBatch:
     """Pad the sequences `rows` into one MicroBatch (layout in the module docstring)."""
     chosen = [seqs[r] for r in rows]
-    T = max(max(len(s.completion_ids), 1) for s in chosen)
     L = max(len(prompts[s.prompt].input_ids) + max(len(s.completion_ids), 1) for s in chosen)
     L += (-L) % SEQ_MULTIPLE
     B = len(chosen)
@@ -147,46 +220,20 @@ def collate(
     attention = torch.zeros((B, L), dtype=torch.long)
     mm_types = torch.zeros((B, L), dtype=torch.long)
     starts = torch.zeros(B, dtype=torch.long)
-    comp = torch.full((B, T), pad_id, dtype=torch.long)
-    comp_mask = torch.zeros((B, T))
-    samp = torch.zeros((B, T))
-    pixels: list[torch.Tensor] = []
-    grids: list[torch.Tensor] = []
-    sources: list[int] = []
-    distinct: dict[int, int] = {}
     for b, s in enumerate(chosen):
-        ep = prompts[s.prompt]
-        n, k = len(ep.input_ids), len(s.completion_ids)
-        input_ids[b, :n] = ep.input_ids
-        mm_types[b, :n] = ep.mm_token_type_ids
-        attention[b, : n + k] = 1
-        starts[b] = n
-        if k:
-            ids = torch.tensor(s.completion_ids, dtype=torch.long)
-            input_ids[b, n : n + k] = ids
-            comp[b, :k] = ids
-            lps = torch.tensor(s.sampling_logprobs[:k], dtype=torch.float32)
-            comp_mask[b, :k] = s.scored().float()  # no log-prob, or masked by the correction: not in the loss
-            samp[b, :k] = lps.nan_to_num(0.0)
-            if s.completion_mm is not None:  # an episode: its observations' image tokens
-                mm_types[b, n : n + k] = torch.tensor(s.completion_mm[:k], dtype=torch.long)
-        if ep.pixel_values is not None and ep.image_grid_thw is not None:
-            grids.append(ep.image_grid_thw)
-            key = s.prompt if share_images else -1 - b  # without sharing every row is its own source
-            if key not in distinct:
-                distinct[key] = len(distinct)
-                pixels.append(ep.pixel_values)
-            sources.append(distinct[key])
-    share = None
-    if pixels and len(pixels) < len(grids):
-        unique_grids = [grids[sources.index(u)] for u in range(len(pixels))]
-        share = share_plan(unique_grids, sources, merge_size)
+        ids, mm = sequence_tokens(prompts[s.prompt], s)
+        input_ids[b, : len(ids)] = ids
+        mm_types[b, : len(ids)] = mm
+        attention[b, : len(ids)] = 1
+        starts[b] = len(prompts[s.prompt].input_ids)
+    comp, comp_mask, samp = completion_tensors(chosen, pad_id)
+    pixel_values, grid_thw, share = gather_images(prompts, chosen, share_images, merge_size)
     return MicroBatch(
         input_ids=input_ids,
         attention_mask=attention,
         mm_token_type_ids=mm_types,
-        pixel_values=torch.cat(pixels) if pixels else None,
-        image_grid_thw=torch.cat(grids) if grids else None,
+        pixel_values=pixel_values,
+        image_grid_thw=grid_thw,
         completion_ids=comp,
         completion_mask=comp_mask,
         advantages=torch.tensor([s.advantage for s in chosen], dtype=torch.float32),

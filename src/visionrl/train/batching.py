@@ -29,3 +29,26 @@ def plan_micro_batches(lengths: list[tuple[int, int]], token_budget: int) -> lis
     if current:
         groups.append(current)
     return groups
+
+
+def plan_packed_rows(lengths: list[int], token_budget: int) -> list[list[int]]:
+    """`train.packing`: sequence indices packed into rows of at most `token_budget` tokens (`lengths[i]`: prompt +
+    completion of sequence i), each row one micro-batch with its sequences end to end (`models.packing`).
+
+    First-fit decreasing: the longest sequence first, each into the first row with room, else a new row, so rows
+    fill up and their number stays near the least possible (within 11/9 of it). A sequence longer than the
+    budget gets a row of its own. Each row lists its sequences in the order they sit in it.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        n = lengths[i]
+        fit = next((r for r, left in enumerate(room) if n <= left), None)
+        if fit is None:
+            rows.append([i])
+            room.append(token_budget - n)
+        else:
+            rows[fit].append(i)
+            room[fit] -= n
+    return rows

@@ -92,21 +92,24 @@ def completion_stats(
     forbidden: torch.Tensor,
     chunk_tokens: int,
     entropy_grad: bool = True,
+    hidden_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token log-probs and entropies [B, T] of the completion tokens (0 where `mask` is 0); the entropies
-    carry a gradient only with `entropy_grad` (an entropy bonus is trained).
+    """Per-token log-probs and entropies [B, T] of the completion tokens of B sequences (0 where `mask` is 0);
+    the entropies carry a gradient only with `entropy_grad` (an entropy bonus is trained).
 
-    `hidden` [B, L, D] are the final hidden states of the micro-batch laid out as in `models.sequences`: the
-    logit of row b's completion token t sits at position starts[b]-1+t. Padding is never sent through `lm_head`.
+    `hidden` [R, L, D] are the final hidden states of the micro-batch's rows, laid out as in `models.sequences`
+    (R = B, sequence b in row b) or packed as in `models.packing` (`hidden_rows[b]`: the row of sequence b): the
+    logit of sequence b's completion token t sits at column starts[b]-1+t. Padding never goes through `lm_head`.
     """
     B, T = completion_ids.shape
-    L = hidden.shape[1]
+    R, L = hidden.shape[:2]
     flat = mask.reshape(-1).nonzero().squeeze(-1)
-    rows = torch.arange(B, device=hidden.device).unsqueeze(1)
+    rows = torch.arange(B) if hidden_rows is None else hidden_rows
+    rows = rows.to(hidden.device).unsqueeze(1)
     positions = (starts.to(hidden.device).unsqueeze(1) - 1 + torch.arange(T, device=hidden.device)).clamp(
         0, L - 1
     )
-    h = hidden.reshape(B * L, -1).index_select(0, (rows * L + positions).reshape(-1).index_select(0, flat))
+    h = hidden.reshape(R * L, -1).index_select(0, (rows * L + positions).reshape(-1).index_select(0, flat))
     ids = completion_ids.reshape(-1).index_select(0, flat)
     step = chunk_tokens if chunk_tokens > 0 else max(1, len(flat))
     lps, ents = [], []

@@ -38,9 +38,10 @@ from visionrl.models.loader import (
     lora_param_groups,
     vision_token_ids,
 )
+from visionrl.models.packing import collate_packed, packed_position_ids
 from visionrl.models.sequences import EncodedPrompt, MicroBatch, Sequence, collate, without_tokens
 from visionrl.train import learner_state
-from visionrl.train.batching import NO_GRAD_BATCH_TOKENS, plan_micro_batches
+from visionrl.train.batching import NO_GRAD_BATCH_TOKENS, plan_micro_batches, plan_packed_rows
 from visionrl.train.encoding import encode_prompts, episodes_expanded
 from visionrl.train.forward import SharedImages, compile_decoder_layers, compiled_graphs, completion_stats
 from visionrl.train.masking import loss_tokens, masks_before_update, with_correction_masks
@@ -130,6 +131,8 @@ class Learner:
             kwargs["pixel_values"] = mb.pixel_values.to(dev, dtype=self.model.dtype)
             kwargs["image_grid_thw"] = mb.image_grid_thw.to(dev)
         inner = self.model.get_base_model()  # the VLM with LoRA layers injected (peft toggles them)
+        if mb.segments is not None:  # packed: each sequence's own positions, which also bound its attention
+            kwargs["position_ids"] = packed_position_ids(inner.model.get_rope_index, mb).to(dev)
         with self._shared.use(mb.image_share):
             hidden = inner.model(**kwargs).last_hidden_state
         return completion_stats(
@@ -142,6 +145,7 @@ class Learner:
             forbidden=self.forbidden.to(dev),
             chunk_tokens=self.cfg.train.logit_chunk_tokens,
             entropy_grad=self.cfg.algorithm.entropy_coef > 0,  # else only reported
+            hidden_rows=mb.hidden_rows,
         )
 
     def logprobs(
@@ -163,10 +167,20 @@ class Learner:
     ) -> list[MicroBatch]:
         rows = list(rows)
         lengths = [(len(encoded[seqs[r].prompt].input_ids), len(seqs[r].completion_ids)) for r in rows]
-        plan = plan_micro_batches(lengths, budget or self.cfg.train.micro_batch_tokens)
-        share, merge = self.cfg.train.share_images, self._merge_size
+        budget = budget or self.cfg.train.micro_batch_tokens
+        packing = self.cfg.train.packing  # sequences end to end in one row each (models.packing)
+        plan = (
+            plan_packed_rows([n + k for n, k in lengths], budget)
+            if packing
+            else plan_micro_batches(lengths, budget)
+        )
+        share, merge, make = (
+            self.cfg.train.share_images,
+            self._merge_size,
+            collate_packed if packing else collate,
+        )
         return [
-            collate(encoded, seqs, [rows[i] for i in g], self.pad_id, share_images=share, merge_size=merge)
+            make(encoded, seqs, [rows[i] for i in g], self.pad_id, share_images=share, merge_size=merge)
             for g in plan
         ]
 
