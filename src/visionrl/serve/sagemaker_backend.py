@@ -19,6 +19,8 @@ from visionrl.serve.process import ServerHandle
 from visionrl.serve.server import prepare_server
 
 BASE_NAME = "base"  # the base model's name at the endpoint (vLLM's --served-model-name)
+# SageMaker sends SIGKILL 30 s after SIGTERM when it stops a container: vLLM gets 20 s of that to stop in order.
+STOP_TIMEOUT_S = 20.0
 
 
 class Backend:
@@ -70,7 +72,7 @@ class Backend:
         with self._lock:
             self._stopping = True
         if self.handle is not None:
-            self.handle.stop()
+            self.handle.stop(timeout_s=STOP_TIMEOUT_S)
 
     def status(self) -> dict[str, Any]:
         return {"status": self.state, "stage": self.stage, **({"error": self.error} if self.error else {})}
