@@ -195,8 +195,8 @@ class TrainConfig(Section):
         "auto",
         description="With packing: the attention of a packed row (models.packed_attention). varlen: torch's "
         "varlen_attn (CUDA, bf16/fp16), else flex; flex: FlexAttention with a document block mask; both fall "
-        "back to sdpa_mask (SDPA with a dense document mask) with a warning; auto: varlen (on the CPU an exact "
-        "per-sequence loop). flash_attention_2 models keep their own varlen path.",
+        "back to sdpa_mask (SDPA with a dense document mask) with a warning; auto: varlen. On the CPU all but "
+        "sdpa_mask are an exact per-sequence loop; flash_attention_2 models keep their own varlen path.",
     )
     compile: bool = Field(
         False,

@@ -226,3 +226,17 @@ def test_varlen_path_attends_per_sequence_with_no_dense_mask(
     grids = mb.image_grid_thw if mb.image_share is None else mb.image_share.unique_grid_thw
     depth = learner.model.get_base_model().config.vision_config.depth
     assert sorted(n for n, _, causal in calls if not causal) == sorted(grids.prod(-1).tolist() * depth)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_block_mask_gives_the_padded_logprobs(varlen_learner: Learner) -> None:
+    """The FlexAttention kernel with its document block mask, run eagerly on the CPU (no backward there, so
+    log-probs only): every layout's packed log-probs equal the padded ones."""
+    varlen_learner.packed_kernel = "flex"
+    try:
+        for layout in LAYOUTS.values():
+            batch = _batch(varlen_learner, layout)
+            padded = _logprobs(varlen_learner, batch, packing=False)
+            assert _max_diff(_logprobs(varlen_learner, batch, packing=True), padded) <= ATOL
+    finally:
+        varlen_learner.packed_kernel = "reference"

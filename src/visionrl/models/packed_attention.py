@@ -64,18 +64,18 @@ def flex_missing() -> str | None:
 
 def resolve_kernel(requested: str, device: str, dtype: torch.dtype, model_attn: str) -> str:
     """The kernel a packed row runs on: `requested` (REQUESTS) where it can run, else the next one down
-    (varlen -> flex -> SDPA's dense mask), with a one-time warning naming why. On the CPU `auto` and `varlen` are
-    the per-sequence reference and `flex` runs eagerly; FlashAttention 2 keeps its own varlen path (it reads the
-    boundaries off the positions)."""
+    (varlen -> flex -> SDPA's dense mask), with a one-time warning naming why. On the CPU every request but
+    sdpa_mask is the per-sequence reference (FlexAttention has no CPU backward); FlashAttention 2 keeps its own
+    varlen path (it reads the boundaries off the positions)."""
     if requested == SDPA_MASK:
         return SDPA_MASK
     if model_attn == "flash_attention_2":
         return MODEL_OWN
+    if device != "cuda":
+        return REFERENCE
     flex_why = flex_missing()
     if requested == FLEX:
         return FLEX if flex_why is None else _dense(requested, flex_why)
-    if device != "cuda":
-        return REFERENCE
     varlen_why = varlen_missing(dtype)
     if varlen_why is None:
         return VARLEN
@@ -234,7 +234,8 @@ _FLEX: dict[str, Any] = {}
 
 def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any, scale: float) -> torch.Tensor:
     """FlexAttention: compiled on CUDA (its fused kernel only exists compiled; inside compiled decoder layers the
-    outer compilation takes it in), eager on the CPU, where it materialises the scores (tests only)."""
+    outer compilation takes it in), eager on the CPU, where it materialises the scores and has no backward (only
+    the tests run it there, without gradients)."""
     from torch.nn.attention.flex_attention import flex_attention
 
     fn = flex_attention
