@@ -240,3 +240,22 @@ def test_flex_block_mask_gives_the_padded_logprobs(varlen_learner: Learner) -> N
             assert _max_diff(_logprobs(varlen_learner, batch, packing=True), padded) <= ATOL
     finally:
         varlen_learner.packed_kernel = "reference"
+
+
+def test_the_kernel_switches_back_and_forth(varlen_learner: Learner) -> None:
+    """`setup_packed_attention` between steps (the benchmark's levers): back to sdpa_mask the text attention is
+    SDPA again, which builds the document mask itself; then varlen again; the padded log-probs throughout."""
+    from visionrl.models.packed_attention import setup_packed_attention
+
+    base = varlen_learner.model.get_base_model()
+    batch = _batch(varlen_learner, LAYOUTS["mixed"])
+    padded = _logprobs(varlen_learner, batch, packing=False)
+    try:
+        for requested, kernel, text in [("sdpa_mask", "sdpa_mask", "sdpa"), ("varlen", "reference", None)]:
+            varlen_learner.packed_kernel = setup_packed_attention(base, requested, "sdpa")
+            assert varlen_learner.packed_kernel == kernel
+            assert base.config.text_config._attn_implementation == (text or "visionrl_packed_sdpa")
+            assert base.config.vision_config._attn_implementation == "sdpa"
+            assert _max_diff(_logprobs(varlen_learner, batch, packing=True), padded) <= ATOL
+    finally:
+        varlen_learner.packed_kernel = setup_packed_attention(base, "varlen", "sdpa")

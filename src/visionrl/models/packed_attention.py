@@ -92,15 +92,20 @@ def _dense(requested: str, why: str) -> str:
 
 def install(model: Any, kernel: str, model_attn: str) -> None:
     """Make `kernel` the language model's attention for packed rows: the text config switched to the function
-    `register` makes; the vision tower keeps `model_attn` (it bounds its images with cu_seqlens of its own)."""
+    `register` makes, or back to `model_attn` for the kernels that read the boundaries off the positions (so a
+    learner can change kernels between steps); the vision tower keeps `model_attn` (it has its own cu_seqlens)."""
     global _VARLEN_ARGS
-    if kernel in (SDPA_MASK, MODEL_OWN):
-        return
     if kernel == VARLEN:
         from torch.nn.attention.varlen import varlen_attn
 
         _VARLEN_ARGS = frozenset(inspect.signature(varlen_attn).parameters)
-    model.set_attn_implementation({"text_config": register(model_attn)})
+    if kernel == FLEX and "compiled" not in _FLEX:  # made here, outside any compiled region; compiles lazily
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _FLEX["compiled"] = torch.compile(flex_attention, dynamic=True)
+    name = model_attn if kernel in (SDPA_MASK, MODEL_OWN) else register(model_attn)
+    if model.config.text_config._attn_implementation != name:
+        model.set_attn_implementation({"text_config": name})
 
 
 def register(model_attn: str) -> str:
@@ -212,12 +217,11 @@ def _varlen(
     groups = q.shape[1] // k.shape[1]
     if groups > 1 and "enable_gqa" in _VARLEN_ARGS:
         kw["enable_gqa"] = True
-    elif (
-        groups > 1
-    ):  # no GQA flag in this torch: each KV head repeated for its query heads (repeat_kv's order)
+    elif groups > 1:
+        # no GQA flag in this torch: each KV head repeated for its group of query heads, in repeat_kv's order
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     if "window_size" in _VARLEN_ARGS:
-        kw["window_size"] = (-1, 0)  # (-1, 0): every earlier key of the segment, none later: causal
+        kw["window_size"] = (-1, 0)  # no limit to the left, no key to the right: causal within the segment
     else:
         kw["is_causal"] = True
     if "scale" in _VARLEN_ARGS:
@@ -233,14 +237,14 @@ _FLEX: dict[str, Any] = {}
 
 
 def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any, scale: float) -> torch.Tensor:
-    """FlexAttention: compiled on CUDA (its fused kernel only exists compiled; inside compiled decoder layers the
-    outer compilation takes it in), eager on the CPU, where it materialises the scores and has no backward (only
-    the tests run it there, without gradients)."""
+    """FlexAttention: compiled on CUDA (its fused kernel exists only compiled: `install` wraps it, and inside
+    compiled decoder layers the outer compilation takes it in), eager on the CPU, where it materialises the
+    scores and has no backward (only the tests run it there, without gradients)."""
     from torch.nn.attention.flex_attention import flex_attention
 
     fn = flex_attention
-    if q.is_cuda:
-        fn = _FLEX.setdefault("compiled", torch.compile(flex_attention, dynamic=True))
+    if q.is_cuda and not torch.compiler.is_compiling():
+        fn = _FLEX.get("compiled", flex_attention)
     out = fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return out.transpose(1, 2)
 
