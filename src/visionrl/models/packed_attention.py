@@ -30,6 +30,10 @@ REQUESTS = ("auto", "sdpa_mask", "varlen", "flex")
 SDPA_MASK, VARLEN, FLEX, REFERENCE, MODEL_OWN = "sdpa_mask", "varlen", "flex", "reference", "model_own"
 NAME = "visionrl_packed"  # + "_sdpa" / "_eager": the base implementation padded micro-batches keep
 _WARNED: set[str] = set()
+# The keyword arguments of this torch's varlen_attn, read once (`prepare`) outside any compiled region: 2.10 takes
+# `is_causal`, 2.11 `window_size` and `scale`, 2.12 also `enable_gqa` (torch's docs of each version).
+_VARLEN_ARGS: frozenset[str] = frozenset()
+_FLEX: dict[str, Any] = {}  # "compiled": flex_attention wrapped in torch.compile (`prepare`)
 
 
 def _warn_once(message: str) -> None:
@@ -94,18 +98,24 @@ def install(model: Any, kernel: str, model_attn: str) -> None:
     """Make `kernel` the language model's attention for packed rows: the text config switched to the function
     `register` makes, or back to `model_attn` for the kernels that read the boundaries off the positions (so a
     learner can change kernels between steps); the vision tower keeps `model_attn` (it has its own cu_seqlens)."""
+    prepare(kernel)
+    name = model_attn if kernel in (SDPA_MASK, MODEL_OWN) else register(model_attn)
+    if model.config.text_config._attn_implementation != name:
+        model.set_attn_implementation({"text_config": name})
+
+
+def prepare(kernel: str) -> None:
+    """What `kernel` needs before its first call, done outside any compiled region: the varlen_attn signature of
+    this torch read, FlexAttention wrapped in torch.compile (it compiles lazily, on the first call)."""
     global _VARLEN_ARGS
     if kernel == VARLEN:
         from torch.nn.attention.varlen import varlen_attn
 
         _VARLEN_ARGS = frozenset(inspect.signature(varlen_attn).parameters)
-    if kernel == FLEX and "compiled" not in _FLEX:  # made here, outside any compiled region; compiles lazily
+    if kernel == FLEX and "compiled" not in _FLEX:
         from torch.nn.attention.flex_attention import flex_attention
 
         _FLEX["compiled"] = torch.compile(flex_attention, dynamic=True)
-    name = model_attn if kernel in (SDPA_MASK, MODEL_OWN) else register(model_attn)
-    if model.config.text_config._attn_implementation != name:
-        model.set_attn_implementation({"text_config": name})
 
 
 def register(model_attn: str) -> str:
@@ -202,11 +212,6 @@ def packed_attention(
     return _reference(query, key, value, packed_cu_seqlens, scale), None
 
 
-# The keyword arguments of this torch's varlen_attn, read once (`install`) outside any compiled region: 2.10 takes
-# `is_causal`, 2.11 `window_size` and `scale`, 2.12 also `enable_gqa` (torch's docs of each version).
-_VARLEN_ARGS: frozenset[str] = frozenset()
-
-
 def _varlen(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, longest: int, scale: float
 ) -> Any:
@@ -231,9 +236,6 @@ def _varlen(
     out = varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, longest, longest, **kw)
     assert isinstance(out, torch.Tensor)  # no auxiliary outputs asked for
     return out.unsqueeze(0)
-
-
-_FLEX: dict[str, Any] = {}
 
 
 def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any, scale: float) -> torch.Tensor:
