@@ -10,8 +10,11 @@ On a CUDA machine, from the repository root:
     PYTHONPATH=src python benchmarks/gpu_learner.py [--prompts 16] [--group 8] [--new-tokens 512]
 On the CPU (a smoke run of the same code with small shapes):  ... --smoke
 Padding-free packing (`train.packing`): `--packing` turns it on in any mode; `--packing-levers` times the shipped
-setting padded and then packed on equal and spread completion lengths (`--lengths equal|spread|both`; spread:
-each length drawn from [T/8, T], seeded, its histogram printed), `--attn` picks the learner's attention kernel.
+setting padded and then packed, on each attention path of a packed row (`train.packed_attention`: SDPA's dense
+document mask, torch's varlen_attn, FlexAttention where torch has it), on equal and spread completion lengths
+(`--lengths equal|spread|both`; spread: each length drawn from [T/8, T], seeded, its histogram printed), and prints
+a summary of spread against equal tokens/s per path; `--attn` picks the learner's attention kernel. What the
+machine's torch has: benchmarks/attention_probe.py.
 """
 
 from __future__ import annotations
