@@ -70,8 +70,11 @@ def run_path(kernel: str, qkv: list[torch.Tensor], bounds: list[int], repeats: i
         mask = ((doc[:, None] == doc[None, :]) & (pos[:, None] >= pos[None, :]))[None, None]
 
         def fn() -> torch.Tensor:
-            out = torch.nn.functional.scaled_dot_product_attention(*qkv, attn_mask=mask, enable_gqa=True)
-            return out.transpose(1, 2)
+            # as transformers does with a mask on CUDA: KV heads repeated (masked GQA would be the math kernel)
+            q, k, v = qkv
+            groups = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
     elif kernel == "sdpa_causal_row":  # one causal row of the same length: the padded layout's kernel
 
         def fn() -> torch.Tensor:
