@@ -10,8 +10,11 @@ On a CUDA machine, from the repository root:
     PYTHONPATH=src python benchmarks/gpu_learner.py [--prompts 16] [--group 8] [--new-tokens 512]
 On the CPU (a smoke run of the same code with small shapes):  ... --smoke
 Padding-free packing (`train.packing`): `--packing` turns it on in any mode; `--packing-levers` times the shipped
-setting padded and then packed on equal and spread completion lengths (`--lengths equal|spread|both`; spread:
-each length drawn from [T/8, T], seeded, its histogram printed), `--attn` picks the learner's attention kernel.
+setting padded and then packed, on each attention path of a packed row (`train.packed_attention`: SDPA's dense
+document mask, torch's varlen_attn, FlexAttention where torch has it), on equal and spread completion lengths
+(`--lengths equal|spread|both`; spread: each length drawn from [T/8, T], seeded, its histogram printed), and prints
+a summary of spread against equal tokens/s per path; `--attn` picks the learner's attention kernel. What the
+machine's torch has: benchmarks/attention_probe.py.
 """
 
 from __future__ import annotations
@@ -139,6 +142,12 @@ def configure(learner, variant: dict[str, Any]) -> None:
         setattr(learner.cfg.train, k, v)
     for k, v in variant.get("algorithm", {}).items():
         setattr(learner.cfg.algorithm, k, v)
+    if "kernel" in variant:  # a packed row's attention (models.packed_attention), switched in place
+        from visionrl.models.packed_attention import setup_packed_attention
+
+        base = learner.model.get_base_model()
+        attn = learner.cfg.model.attn_implementation
+        learner.packed_kernel = setup_packed_attention(base, variant["kernel"], attn)
     if "ckpt" in variant:
         n = variant["ckpt"]
         if n == "half":
@@ -372,8 +381,9 @@ def lever_rows(args: argparse.Namespace, variants: list[dict[str, Any]]) -> list
         learner.train_step(batches[0][1])  # warm-up
         for v in variants:
             configure(learner, v)
-            if v.get("compile"):
-                compile_decoder_layers(learner.model)
+            if v.get("compile") or v.get("warmup"):  # compiles (again, for a new attention kernel): apart
+                if v.get("compile"):
+                    compile_decoder_layers(learner.model)
                 rows.append({"variant": f"{v['name']}: first step (compiles)", **timed_step(learner, equal)})
             for name, batch in batches:
                 try:
@@ -382,9 +392,19 @@ def lever_rows(args: argparse.Namespace, variants: list[dict[str, Any]]) -> list
                     r = {"error": "out of memory"}
                 hist = length_histogram(batch, args.new_tokens)
                 rows.append({"variant": f"{v['name'].strip()}, {name}", **r, "length_histogram": hist})
+                rows[-1].update(
+                    lever=v["name"].strip(),
+                    lengths="spread" if "spread" in name else "equal",
+                    kernel=kernel_of(learner),
+                )
                 print(json.dumps(rows[-1]), flush=True)
     print_lever_table(rows, args.new_tokens)
     return rows
+
+
+def kernel_of(learner) -> str:
+    """The attention a micro-batch of the learner runs on: padded rows, or the packed row's kernel."""
+    return learner.packed_kernel if learner.cfg.train.packing else "padded"
 
 
 def print_lever_table(rows: list[dict[str, Any]], new_tokens: int) -> None:
@@ -448,23 +468,58 @@ PACKING_LEVERS: list[dict[str, Any]] = [
         "train": {"micro_batch_tokens": 8192, "packing": False},
         "algorithm": {"rollout_correction": "off", "old_logprobs": "engine"},
     },
-    {"name": "+ packed rows (train.packing)", "train": {"packing": True}},
+    {
+        "name": "+ packed rows, SDPA with the dense document mask",
+        "train": {"packing": True},
+        "kernel": "sdpa_mask",
+    },
+    {"name": "  packed rows, varlen_attn", "kernel": "varlen"},
+    {"name": "  packed rows, FlexAttention (document block mask)", "kernel": "flex"},
 ]
 
 
 def packing_rows(args: argparse.Namespace) -> None:
-    """The shipped learner setting padded, then packed, on the lengths asked for (`--lengths`); compiled layers
-    with `--compile-layers` (their first step timed apart). The target: packed spread >= 95% of equal tokens/s."""
-    levers = [dict(v) for v in PACKING_LEVERS]
+    """The shipped learner setting padded, then packed on each attention path of a packed row (dense document
+    mask, torch's varlen_attn, FlexAttention where this torch has it), on the lengths asked for (`--lengths`);
+    compiled layers with `--compile-layers` (each path's first step, which compiles, timed apart). The target:
+    packed spread >= 95% of equal tokens/s."""
+    from visionrl.models.packed_attention import flex_missing
+
+    levers = [dict(v) for v in PACKING_LEVERS if v.get("kernel") != "flex" or flex_missing() is None]
     if args.compile_layers:
-        levers[0] = {**levers[0], "compile": True}
+        levers = [{**levers[0], "compile": True}] + [{**v, "warmup": True} for v in levers[1:]]
+    args.packing = True  # the learner starts packed: the registered attention is installed (then switched)
     rows = lever_rows(args, levers)
+    summary = packing_summary(rows)
     device = "cpu" if args.smoke else torch.cuda.get_device_name(0)
-    save_section(
-        args,
-        "packing",
-        {"device": device, "attn": args.attn, "versions": {"torch": torch.__version__}, "rows": rows},
+    section = {"device": device, "attn": args.attn, "versions": {"torch": torch.__version__}, "rows": rows}
+    save_section(args, "packing", {**section, "summary": summary})
+
+
+def packing_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per lever (the attention path asked for, and the kernel that ran): tokens/s at equal and spread lengths,
+    spread as a share of its own equal-length figure and of the padded equal-length one (the target: >= 95%)."""
+    by: dict[tuple[str, str], dict[str, float]] = {}
+    for r in rows:
+        if "kernel" in r and "tokens_per_s" in r:
+            by.setdefault((r["lever"], r["kernel"]), {})[r["lengths"]] = r["tokens_per_s"]
+    padded_equal = next((t.get("equal") for (_, k), t in by.items() if k == "padded"), None)
+    out = []
+    print(
+        f"\n{'lever':<56}{'kernel':<11}{'equal tok/s':>12}{'spread tok/s':>13}{'spread/eq':>10}{'/padded eq':>11}"
     )
+    for (lever, kernel), t in by.items():
+        eq, sp = t.get("equal"), t.get("spread")
+        own = sp / eq if eq and sp else None
+        vs_padded = sp / padded_equal if padded_equal and sp else None
+        out.append(
+            {"lever": lever, "kernel": kernel, "equal": eq, "spread": sp}
+            | {"spread_over_equal": own, "spread_over_padded_equal": vs_padded}
+        )
+        tps = "".join(f"{x:>{w}.0f}" if x else f"{'-':>{w}}" for x, w in ((eq, 12), (sp, 13)))
+        shares = "".join(f"{x:>{w}.1%}" if x else f"{'-':>{w}}" for x, w in ((own, 10), (vs_padded, 11)))
+        print(f"{lever[:55]:<56}{kernel:<11}{tps}{shares}")
+    return out
 
 
 if __name__ == "__main__":

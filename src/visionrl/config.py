@@ -191,6 +191,13 @@ class TrainConfig(Section):
         "(logprob_batch_tokens for the no-gradient passes), each with its own M-RoPE positions and attention "
         "that stays inside it (models.packing); the same log-probs as padded rows, without computing padding.",
     )
+    packed_attention: Literal["auto", "sdpa_mask", "varlen", "flex"] = Field(
+        "auto",
+        description="With packing: the attention of a packed row (models.packed_attention). varlen: torch's "
+        "varlen_attn (CUDA, bf16/fp16), else flex; flex: FlexAttention with a document block mask; both fall "
+        "back to sdpa_mask (SDPA with a dense document mask) with a warning; auto: varlen. On the CPU all but "
+        "sdpa_mask are an exact per-sequence loop; flash_attention_2 models keep their own varlen path.",
+    )
     compile: bool = Field(
         False,
         description="torch.compile each decoder layer of the language model (dynamic shapes: one compilation "

@@ -1,6 +1,8 @@
 """`train.packing` on the tiny Qwen3-VL at float32: a packed row gives every sequence the log-probs and the
 gradient the padded micro-batches give it (1e-5), with no, one or two images of different sizes per prompt and
-with a multi-turn episode; and attention never crosses from one sequence of a row into another."""
+with a multi-turn episode; and attention never crosses from one sequence of a row into another. Each on both
+attention paths of a packed row (`train.packed_attention`): transformers' dense document mask, and the varlen
+path (on the CPU its per-sequence reference) registered as the language model's attention."""
 
 from __future__ import annotations
 
@@ -18,8 +20,7 @@ from visionrl.types import PromptItem
 ATOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def learner(tiny_model: Path, color_data: Path) -> Learner:
+def _learner(tiny_model: Path, color_data: Path, **train: object) -> Learner:
     cfg = config_from_dict(
         {
             "output_dir": "unused",
@@ -29,16 +30,43 @@ def learner(tiny_model: Path, color_data: Path) -> Learner:
             "lora": {"rank": 8, "train_merger": True, "train_lm_head": True},
             "algorithm": {"group_size": 2},
             "rollout": {"prompts_per_step": 3, "max_new_tokens": 8, "temperature": 0.7},
-            "train": {"lr": 1e-2, "lr_schedule": "constant", "max_grad_norm": 1e9},
+            "train": {"lr": 1e-2, "lr_schedule": "constant", "max_grad_norm": 1e9, **train},
         }
     )
     out = Learner(cfg, device="cpu")
+    out.cfg.train.packing = False  # the tests switch it on where they pack
     with torch.no_grad():  # a non-zero B: every LoRA weight gets a gradient and the adapter changes log-probs
         gen = torch.Generator().manual_seed(1)
         for n, p in out.model.named_parameters():
             if "lora_B" in n:
                 p.normal_(std=0.05, generator=gen)
     return out
+
+
+@pytest.fixture(scope="module")
+def dense_learner(tiny_model: Path, color_data: Path) -> Learner:
+    """Packing switched on after the start: packed rows on transformers' dense document mask (sdpa_mask)."""
+    out = _learner(tiny_model, color_data)
+    assert out.packed_kernel == "sdpa_mask"
+    return out
+
+
+@pytest.fixture(scope="module")
+def varlen_learner(tiny_model: Path, color_data: Path) -> Learner:
+    """train.packing with packed_attention=varlen: on the CPU the per-sequence reference, registered with
+    transformers as the language model's attention (the vision tower keeps SDPA)."""
+    out = _learner(tiny_model, color_data, packing=True, packed_attention="varlen")
+    assert out.packed_kernel == "reference"
+    config = out.model.get_base_model().config
+    assert config.text_config._attn_implementation == "visionrl_packed_sdpa"
+    assert config.vision_config._attn_implementation == "sdpa"
+    return out
+
+
+@pytest.fixture(params=["sdpa_mask", "varlen"])
+def learner(request: pytest.FixtureRequest) -> Learner:
+    """Each test below on both attention paths of a packed row."""
+    return request.getfixturevalue("dense_learner" if request.param == "sdpa_mask" else "varlen_learner")
 
 
 def _prompt(learner: Learner, sizes: list[tuple[int, int]]) -> PromptItem:
@@ -162,3 +190,72 @@ def test_attention_does_not_cross_sequences_in_a_packed_row(learner: Learner) ->
         assert crossed > 1e-3
     finally:
         learner.cfg.train.packing = False
+
+
+def test_varlen_path_attends_per_sequence_with_no_dense_mask(
+    varlen_learner: Learner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every SDPA call of a packed forward: the vision tower's per image (its own attention, unmasked), then per
+    text layer one causal call per segment of the row, the padding's included; never an [L, L] mask."""
+    learner = varlen_learner
+    batch = _batch(learner, LAYOUTS["mixed"])
+    encoded = learner.encode_prompts(batch.prompts)
+    learner.cfg.train.packing = True
+    try:
+        (mb,) = learner._micro_batches(encoded, batch.sequences, range(len(batch.sequences)), 16384)
+    finally:
+        learner.cfg.train.packing = False
+    calls: list[tuple[int, bool, bool]] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        calls.append((q.shape[-2], kwargs.get("attn_mask") is None, bool(kwargs.get("is_causal"))))
+        return sdpa(q, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    with torch.no_grad():
+        learner._stats(mb)
+    assert mb.segments is not None and mb.image_grid_thw is not None
+    bounds = mb.segments.bounds
+    segments = [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
+    assert bounds[-1] == mb.input_ids.shape[1] and len(segments) == len(batch.sequences) + 1  # + the padding
+    layers = len(learner.model.get_base_model().model.language_model.layers)
+    assert all(unmasked for _, unmasked, _ in calls)
+    assert [n for n, _, causal in calls if causal] == segments * layers
+    # the vision tower: one unmasked call per distinct image (a group's completions share theirs) and vision layer
+    grids = mb.image_grid_thw if mb.image_share is None else mb.image_share.unique_grid_thw
+    depth = learner.model.get_base_model().config.vision_config.depth
+    assert sorted(n for n, _, causal in calls if not causal) == sorted(grids.prod(-1).tolist() * depth)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_block_mask_gives_the_padded_logprobs(varlen_learner: Learner) -> None:
+    """The FlexAttention kernel with its document block mask, run eagerly on the CPU (no backward there, so
+    log-probs only): every layout's packed log-probs equal the padded ones."""
+    varlen_learner.packed_kernel = "flex"
+    try:
+        for layout in LAYOUTS.values():
+            batch = _batch(varlen_learner, layout)
+            padded = _logprobs(varlen_learner, batch, packing=False)
+            assert _max_diff(_logprobs(varlen_learner, batch, packing=True), padded) <= ATOL
+    finally:
+        varlen_learner.packed_kernel = "reference"
+
+
+def test_the_kernel_switches_back_and_forth(varlen_learner: Learner) -> None:
+    """`setup_packed_attention` between steps (the benchmark's levers): back to sdpa_mask the text attention is
+    SDPA again, which builds the document mask itself; then varlen again; the padded log-probs throughout."""
+    from visionrl.models.packed_attention import setup_packed_attention
+
+    base = varlen_learner.model.get_base_model()
+    batch = _batch(varlen_learner, LAYOUTS["mixed"])
+    padded = _logprobs(varlen_learner, batch, packing=False)
+    try:
+        for requested, kernel, text in [("sdpa_mask", "sdpa_mask", "sdpa"), ("varlen", "reference", None)]:
+            varlen_learner.packed_kernel = setup_packed_attention(base, requested, "sdpa")
+            assert varlen_learner.packed_kernel == kernel
+            assert base.config.text_config._attn_implementation == (text or "visionrl_packed_sdpa")
+            assert base.config.vision_config._attn_implementation == "sdpa"
+            assert _max_diff(_logprobs(varlen_learner, batch, packing=True), padded) <= ATOL
+    finally:
+        varlen_learner.packed_kernel = setup_packed_attention(base, "varlen", "sdpa")

@@ -6,7 +6,8 @@ sequences"):
 - M-RoPE positions are computed per sequence (`packed_position_ids`), so each restarts at 0 as in its own row;
 - the text row of the 4-row position ids restarts at 0 with each sequence: transformers reads the restarts as
   sequence boundaries (a document mask for SDPA and eager, cu_seqlens for FlashAttention 2), so attention never
-  crosses from one sequence into another;
+  crosses from one sequence into another; with `train.packed_attention` the learner passes the boundaries as
+  cu_seqlens to a varlen kernel instead (`models.packed_attention`);
 - the images of all sequences are sent in sequence order, so the vision tower's features fill each sequence's
   placeholders in turn.
 The per-sequence fields of the `MicroBatch` ([B, T] completions, masks, advantages) are those of the padded one;

@@ -38,6 +38,7 @@ from visionrl.models.loader import (
     lora_param_groups,
     vision_token_ids,
 )
+from visionrl.models.packed_attention import packed_attention_kwargs, setup_packed_attention
 from visionrl.models.packing import collate_packed, packed_position_ids
 from visionrl.models.sequences import EncodedPrompt, MicroBatch, Sequence, collate, without_tokens
 from visionrl.train import learner_state
@@ -82,6 +83,9 @@ class Learner:
         self.processor = load_processor(cfg.model.path, ImageBudget.of(cfg.data))
         base = load_base_model(cfg.model.path, cfg.model.dtype, self.device, cfg.model.attn_implementation)
         self.model = apply_lora(base, cfg.lora, seed=cfg.train.seed)
+        # the attention kernel of packed rows (models.packed_attention); sdpa_mask: transformers' dense mask
+        wanted = cfg.train.packed_attention if cfg.train.packing else "sdpa_mask"
+        self.packed_kernel = setup_packed_attention(base, wanted, cfg.model.attn_implementation)
         if cfg.model.gradient_checkpointing:
             checkpoint_layers(self.model, cfg.model.checkpoint_layers)
         if self.ranks.fsdp:
@@ -133,6 +137,7 @@ class Learner:
         inner = self.model.get_base_model()  # the VLM with LoRA layers injected (peft toggles them)
         if mb.segments is not None:  # packed: each sequence's own positions, which also bound its attention
             kwargs["position_ids"] = packed_position_ids(inner.model.get_rope_index, mb).to(dev)
+            kwargs.update(packed_attention_kwargs(mb.segments.bounds, self.packed_kernel, dev))
         with self._shared.use(mb.image_share):
             hidden = inner.model(**kwargs).last_hidden_state
         return completion_stats(
