@@ -1,6 +1,6 @@
 """SageMaker's hosting contract without vLLM: the settings read from the environment, and the front against a
 small stand-in for vLLM's server (what it forwards, the /ping answers in each state, a streamed answer passed
-through as it comes, the adapter routes). The real container is exercised in tests/integration/test_sagemaker.py.
+through as it comes, the adapter routes). The real container is exercised in tests/integration/test_sagemaker_container.py.
 """
 
 from __future__ import annotations
