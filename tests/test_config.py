@@ -679,3 +679,18 @@ def test_the_env_section_is_checked_at_validation() -> None:
     # the job's rewards may be left empty only when an environment rewards the episodes
     assert config_from_dict({**env, "rewards": []}).rewards == []
     assert "rewards: list at least one reward" in config_error({**MINIMAL, "rewards": []})
+
+
+def test_vllm_engine_args_pass_through_but_not_what_visionrl_sets() -> None:
+    assert config_from_dict(MINIMAL).rollout.vllm_engine_args == {}
+    cfg = config_from_dict(
+        apply_overrides(
+            MINIMAL, ["rollout.vllm_engine_args={max_num_seqs: 64, max_num_batched_tokens: 8192}"]
+        )
+    )
+    assert cfg.rollout.vllm_engine_args == {"max_num_seqs": 64, "max_num_batched_tokens": 8192}
+    msg = config_error(
+        MINIMAL, ["rollout.vllm_engine_args={max_model_len: 100, dtype: float16, max_num_seqs: 8}"]
+    )
+    assert "rollout.vllm_engine_args sets what visionrl sets itself" in msg
+    assert "dtype (set model.dtype), max_model_len (set rollout.max_model_len)" in msg

@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
 from visionrl.config_yaml import Section
+
+# vLLM engine arguments visionrl derives from the job: given in rollout.vllm_engine_args, they would silently
+# disagree with the learner (dtype, lengths, images, LoRA shape, log-prob semantics); the key to set instead.
+RESERVED_ENGINE_ARGS = {
+    "model": "model.path", "dtype": "model.dtype", "max_model_len": "rollout.max_model_len",
+    "seed": "seed", "logprobs_mode": "nothing: the mismatch guard needs processed log-probs",
+    "mm_processor_kwargs": "data.min_pixels/max_pixels", "limit_mm_per_prompt": "data.max_images_per_prompt",
+    "enforce_eager": "rollout.enforce_eager", "worker_extension_cls": "nothing: the adapter sync needs it",
+    "enable_lora": "lora", "max_lora_rank": "lora.rank", "max_loras": "nothing: one adapter version is served",
+    "enable_tower_connector_lora": "lora.train_merger", "gpu_memory_utilization": "rollout.gpu_memory_utilization",
+    "enable_sleep_mode": "rollout.sleep_during_update",
+}  # fmt: skip
 
 
 class RolloutConfig(Section):
@@ -67,6 +79,22 @@ class RolloutConfig(Section):
         "the rollout correction weights the gap, so that pairing with rollout_correction=off is refused. "
         "Overlaps only where engines and learner do not share a device (split placement, CPUs).",
     )
+
+    vllm_engine_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="vLLM: more engine arguments (those of vllm.LLM / `vllm serve`), e.g. {max_num_seqs: 256, "
+        "max_num_batched_tokens: 16384, max_cpu_loras: 2}: the scheduler and LoRA settings measured in "
+        "benchmarks/NOTES-gpu-learner.md. The ones visionrl sets from other keys are refused here "
+        "(RESERVED_ENGINE_ARGS): set those keys instead.",
+    )
+
+    @model_validator(mode="after")
+    def validate_engine_args(self) -> RolloutConfig:
+        taken = sorted(set(self.vllm_engine_args) & set(RESERVED_ENGINE_ARGS))
+        if taken:
+            listed = ", ".join(f"{k} (set {RESERVED_ENGINE_ARGS[k]})" for k in taken)
+            raise ValueError(f"rollout.vllm_engine_args sets what visionrl sets itself: {listed}")
+        return self
 
     @model_validator(mode="after")
     def validate_async_without_sleep(self) -> RolloutConfig:

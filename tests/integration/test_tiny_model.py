@@ -378,8 +378,12 @@ def test_vllm_serves_the_tiny_model_with_lm_and_merger_lora(tiny_model: Path, tm
         forbidden_token_ids=forbidden,
         dtype="float32",
         max_model_len=512,
+        engine_args={
+            "max_num_seqs": 3
+        },  # rollout.vllm_engine_args: fewer sequences than prompts still answers all
     )
     try:
+        assert engine._llm.llm_engine.vllm_config.scheduler_config.max_num_seqs == 3
         outputs = {"base": engine.generate(prompts, spec)}
         assert engine.adapter_version() == 0
         for payload in payloads:

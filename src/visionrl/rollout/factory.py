@@ -45,6 +45,7 @@ def make_engine(
             seed=seed,
             budget=budget,
             sleep_mode=rollout.sleep_during_update,
+            engine_args=rollout.vllm_engine_args,
         )
     if rollout.engine == "hf":
         from visionrl.rollout.hf_engine import HFEngine

@@ -81,6 +81,7 @@ class VLLMEngine:
         seed: int = 0,
         budget: ImageBudget | None = None,
         sleep_mode: bool = False,
+        engine_args: dict[str, Any] | None = None,
     ) -> None:
         budget = budget or ImageBudget()
         self._llm_kwargs: dict[str, Any] = {
@@ -111,6 +112,7 @@ class VLLMEngine:
         self._sleep_mode = sleep_mode and not self._cpu
         if self._sleep_mode:
             self._llm_kwargs["enable_sleep_mode"] = True
+        self._llm_kwargs.update(engine_args or {})  # rollout.vllm_engine_args: none of the keys set above
         self._asleep = False
         _quiet_vllm()
         self.forbidden = list(forbidden_token_ids)
