@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -247,15 +248,35 @@ def main() -> None:
     p.add_argument("--json", type=Path, required=True, help="where the row is written")
     p.add_argument("--smoke", action="store_true", help="CPU, float32, TRL's transformers generation")
     p.add_argument("--hf-generation", action="store_true", help="TRL's transformers generation, not vLLM")
+    p.add_argument(
+        "--lengths",
+        choices=["equal", "spread"],
+        default="equal",
+        help="spread: each completion ends at its own length in [T/8, T] (length_spread.py, in TRL's vLLM)",
+    )
     a = p.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from gpu_grpo_step import GpuMemorySampler
+
+    log = a.json.with_suffix(".lengths")
+    if a.lengths == "spread":
+        import length_spread
+
+        log.unlink(missing_ok=True)
+        os.environ.update(length_spread.spread_environment(a.model, log))
+        length_spread.use_in_vllm()
 
     with GpuMemorySampler() as memory:
         row = run(
             a.model, a.data, a.size, a.steps, not a.no_gradient_checkpointing, a.smoke, not a.hf_generation
         )
     row["gradient_checkpointing"] = not a.no_gradient_checkpointing
+    row["lengths"] = a.lengths
+    if a.lengths == "spread":
+        import length_spread
+
+        tokens = int(a.size.split("x")[2])
+        row["length_histogram"] = length_spread.histogram(length_spread.read_lengths(log), tokens)
     row["trl_peak_mem_gib"] = memory.device_peak
     row["trl_peak_mem_per_process_gib"] = {k: round(v, 2) for k, v in memory.per_process.items()}
     a.json.write_text(json.dumps(row, indent=2) + "\n")
