@@ -58,8 +58,10 @@ class EnvConfig(Section):
     pipeline: Literal["continuous", "turns"] = Field(
         "continuous",
         description="continuous: an episode's next turn joins the engine's running batch as soon as its "
-        "environment answers, so environment time overlaps generation; turns: every live episode of an engine "
-        "generates its turn, then all their environments step (benchmarks/NOTES-zoom.md).",
+        "environment answers, so environment time overlaps generation (the engine is seeded once a step, and a "
+        "sampled turn's noise depends on when it joins: greedy episodes repeat exactly, sampled ones do not); "
+        "turns: every live episode of an engine generates its turn (seeded per turn), then all their "
+        "environments step (benchmarks/NOTES-zoom.md).",
     )
     tools: list[ToolConfig] = Field(
         default_factory=list,

@@ -24,7 +24,11 @@ def _records(answers: list[str], **extra: dict) -> list[PromptItem]:
     picture = Image.new("RGB", (32, 32), (0, 200, 0))
     return [
         PromptItem(
-            "", [picture], answer=a, sample_id=f"s{i}", source_images=[picture],
+            "",
+            [picture],
+            answer=a,
+            sample_id=f"s{i}",
+            source_images=[picture],
             record={"prompt": "what color ?", "long": a == "blue", "name": f"s{i}", **extra.get(f"s{i}", {})},
         )  # fmt: skip
         for i, a in enumerate(answers)
@@ -111,6 +115,10 @@ def test_a_failing_or_slow_environment_ends_only_its_episode_in_continuous_mode(
         ["timeout", "timeout"],
     ]
     assert batch.failed == [[True, True], [False, False], [True, True]]
-    assert [[c.episode["env_reward"] for c in g] for g in batch.completions] == [[0.0] * 2, [0.5] * 2, [0.0] * 2]
+    assert [[c.episode["env_reward"] for c in g] for g in batch.completions] == [
+        [0.0] * 2,
+        [0.5] * 2,
+        [0.0] * 2,
+    ]
     assert batch.metrics["episode/ended_error"] == 2 and batch.metrics["episode/ended_timeout"] == 2
     assert not stepper.busy()

@@ -13,20 +13,29 @@ from __future__ import annotations
 import time
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, wait
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from visionrl.envs.trajectory import Episode
 from visionrl.types import Completion, SamplingSpec, SteppingEngine
-
-if TYPE_CHECKING:
-    from visionrl.envs.episodes import EpisodeRunner
 
 POLL_S = 0.02  # collect's wait while environments step: an answer waits at most this long to join the batch
 IDLE_S = 1.0  # collect's wait while none steps (it returns as soon as any turn finishes anyway)
 
 
+class EpisodeRules(Protocol):
+    """What a lane needs of `EpisodeRunner` (which imports this module): its env pool and its turn bookkeeping."""
+
+    pool: Any
+
+    def fits(self, e: Episode, spec: SamplingSpec) -> bool: ...
+
+    def take_turn(self, e: Episode, group: list[Completion]) -> bool: ...
+
+    def after_step(self, e: Episode, result: Any) -> None: ...
+
+
 def play(
-    runner: EpisodeRunner,
+    runner: EpisodeRules,
     part: list[Episode],
     engine: SteppingEngine,
     spec: SamplingSpec,
@@ -47,7 +56,7 @@ class _Lane:
     """One engine's episodes: those in the engine (by request id), those whose environment steps, those ready."""
 
     def __init__(
-        self, runner: EpisodeRunner, engine: SteppingEngine, spec: SamplingSpec, env_threads: Executor
+        self, runner: EpisodeRules, engine: SteppingEngine, spec: SamplingSpec, env_threads: Executor
     ) -> None:
         self.runner, self.engine, self.spec, self.env_threads = runner, engine, spec, env_threads
         self.in_engine: dict[str, Episode] = {}

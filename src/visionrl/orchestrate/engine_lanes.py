@@ -57,8 +57,12 @@ class EngineLane:
         return done
 
     def abort(self) -> int:
+        """Drop the lane's requests (after a failed step). An engine that is gone holds none: 0."""
         self._pending, self._engine_ids = {}, {}
-        return int(self._call("abort"))
+        try:
+            return int(self._call("abort"))
+        except ActorProblem:  # the failure being raised is the step's; a dead engine has nothing in flight
+            return 0
 
     def _send(self, ours: list[str], prompts: list[PromptItem], spec: SamplingSpec) -> None:
         theirs = self._call("submit", prompts, spec)

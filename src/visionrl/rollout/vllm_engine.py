@@ -385,8 +385,9 @@ class VLLMEngine:
     # ------------------------------------------------------------------ stepping (continuous episodes)
     def submit(self, prompts: list[PromptItem], spec: SamplingSpec) -> list[str]:
         """`types.SteppingEngine.submit`: the prompts join the running batch (`rollout.vllm_stepping`)."""
+        if not self.in_flight():
+            self.wake_up()  # vLLM is ours while nothing is in flight (a lane's first turns)
         if self._stepper is None:
-            self.wake_up()
             self._stepper = VLLMStepper(self)
         return self._stepper.submit(prompts, spec)
 
