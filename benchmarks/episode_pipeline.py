@@ -65,6 +65,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--delays", default="0,0.2,1.0")
     p.add_argument("--out", default="benchmarks/results")
+    p.add_argument(
+        "--model", default=None, help="the pre-trained tiny model's folder: built there if missing"
+    )
     args = p.parse_args()
 
     from visionrl.config_env import EnvConfig
@@ -81,7 +84,9 @@ def main() -> None:
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        model = build_tiny_model(Path(tmp) / "model", seed=0, pretrain=True)  # answers, and stops
+        model = Path(args.model or Path(tmp) / "model")
+        if not (model / "config.json").exists():
+            build_tiny_model(model, seed=0, pretrain=True)  # answers, and stops
         make_dataset(Path(tmp) / "data", "color", num_train=args.records, num_eval=0, seed=0)
         processor = load_processor(model, ImageBudget())
         prompts = [

@@ -24,7 +24,7 @@ def test_episodes_with_image_observations_train_token_exact_on_vllm(
         pretrained_tiny_model,
         color_data,
         tmp_path / "run",
-        env={"name": "tests.envs.sample_envs:RetryColour", "max_turns": 3},
+        env={"name": "tests.envs.sample_envs:RetryColour", "max_turns": 3, "pipeline": "continuous"},
         rewards=[],  # the environment's rewards only
         rollout={"engine": "vllm", "prompts_per_step": 4, "max_new_tokens": 3, "max_model_len": 512},
         logging={"save_every": 100, "images_every": 1, "eval_every": 100},
@@ -110,7 +110,8 @@ def test_continuous_episodes_through_ray_are_the_turn_by_turn_episodes_on_vllm(
     try:
         processor = load_processor(pretrained_tiny_model, engine_budget(cfg))
         records = [
-            build_prompt(s, processor, keep_source=True) for s in load_dataset(color_data / "train.jsonl")[:4]
+            build_prompt(s, processor, keep_source=True)
+            for s in list(load_dataset(color_data / "train.jsonl"))[:4]
         ]
         workers = Workers([], [engine], [], cfg)
         runner = EpisodeRunner.of(cfg, processor, pool)

@@ -11,6 +11,7 @@ and a later turn draws from the running stream at whatever point it joins (greed
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, wait
 from dataclasses import replace
 from typing import Any, Protocol
@@ -18,7 +19,9 @@ from typing import Any, Protocol
 from visionrl.envs.trajectory import Episode
 from visionrl.types import Completion, SamplingSpec, SteppingEngine
 
-POLL_S = 0.02  # collect's wait while environments step: an answer waits at most this long to join the batch
+# collect's wait while environments step: an answer waits at most this long to join the batch, unless the engine
+# can be woken (`wake`: an engine in this process); a Ray actor's collect cannot, as it takes one call at a time
+POLL_S = 0.02
 IDLE_S = 1.0  # collect's wait while none steps (it returns as soon as any turn finishes anyway)
 
 
@@ -63,6 +66,8 @@ class _Lane:
         self.stepping: dict[Future[Any], Episode] = {}
         self.ready: list[Episode] = []
         self.env_s, self._env_since = 0.0, 0.0
+        wake = getattr(engine, "wake", None)  # optional: an engine in this process, woken by an answer
+        self.wake: Callable[[Any], None] | None = None if wake is None else lambda _: wake()
 
     def run(self, part: list[Episode]) -> None:
         self.ready = list(part)
@@ -92,6 +97,8 @@ class _Lane:
                 if not self.stepping:
                     self._env_since = time.perf_counter()
                 call = self.env_threads.submit(self.runner.pool.step, [(e.key, e.last_text)])
+                if self.wake is not None:
+                    call.add_done_callback(self.wake)
                 self.stepping[call] = e
 
     def _answers(self) -> None:

@@ -397,6 +397,10 @@ class VLLMEngine:
     def abort(self) -> int:
         return self._stepper.abort() if self._stepper is not None else 0
 
+    def wake(self) -> None:
+        if self._stepper is not None:
+            self._stepper.wake()
+
     def in_flight(self) -> bool:
         return self._stepper is not None and self._stepper.busy()
 

@@ -44,6 +44,7 @@ class VLLMStepper:
         self._running: dict[str, _Request] = {}  # added (or about to be), not finished
         self._done: dict[str, list[Completion]] = {}  # finished, not yet collected
         self._aborting = False
+        self._woken = False  # `wake` was called: a waiting `collect` returns now
         self._error: BaseException | None = None
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -80,11 +81,18 @@ class VLLMStepper:
     def collect(self, timeout_s: float) -> dict[str, list[Completion]]:
         with self._cond:
             self._cond.wait_for(
-                lambda: self._done or self._error or not (self._queue or self._running), timeout_s
+                lambda: self._done or self._error or self._woken or not (self._queue or self._running),
+                timeout_s,
             )
             self._raise_error()
-            done, self._done = self._done, {}
+            done, self._done, self._woken = self._done, {}, False
         return done
+
+    def wake(self) -> None:
+        """End a waiting `collect` now (an environment answered in this process: its episode's turn goes in)."""
+        with self._cond:
+            self._woken = True
+            self._cond.notify_all()
 
     def abort(self) -> int:
         """Drop what is queued, abort what runs (in the thread) and forget what was not collected."""
