@@ -670,6 +670,10 @@ def test_the_env_section_is_checked_at_validation() -> None:
     assert cfg.env is not None and cfg.env.max_images == 8 and cfg.env.step_timeout_s == 30.0
     assert "neither a built-in environment" in config_error({**MINIMAL, "env": {"name": "mazes"}})
     assert "env.max_turns" in config_error({**MINIMAL, "env": {"name": "maze", "max_turns": 0}})
+    assert (
+        cfg.env.pipeline == "turns"
+    )  # continuous is slower with even environments (benchmarks/NOTES-zoom.md)
+    assert "env.pipeline" in config_error({**MINIMAL, "env": {"name": "maze", "pipeline": "halves"}})
     tools = [{"name": "crop", "function": "a.b:c"}, {"name": "crop", "function": "a.b:d"}]
     assert "names a tool twice" in config_error({**MINIMAL, "env": {"name": "tools", "tools": tools}})
     bad = [{"name": "crop", "function": "a.b.c"}]

@@ -3,7 +3,7 @@ and image limits, the deadline of each environment call, and the tools of the `t
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
@@ -55,6 +55,15 @@ class EnvConfig(Section):
         description="Deadline of each reset/step call; past it the episode ends with reward 0.",
     )
     num_workers: int = Field(1, ge=1, le=1024, description="Ray actors that run the environments.")
+    pipeline: Literal["turns", "continuous"] = Field(
+        "turns",
+        description="continuous: an episode's next turn joins the engine's running batch as soon as its "
+        "environment answers, so environment time overlaps generation (the engine is seeded once a step, and a "
+        "sampled turn's noise depends on when it joins: greedy episodes repeat exactly, sampled ones do not); "
+        "turns: every live episode of an engine generates its turn (seeded per turn), then all their "
+        "environments step. Continuous was 19-21% faster with environments of uneven step times and 3-42% "
+        "slower with equal ones on the CPU (benchmarks/NOTES-zoom.md).",
+    )
     tools: list[ToolConfig] = Field(
         default_factory=list,
         description="Tools of the `tools` environment (calculator and zoom bring their own).",

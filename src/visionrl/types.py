@@ -123,8 +123,29 @@ class ProbeResult:
     completions: list[list[Completion]]
 
 
-class RolloutEngine(Protocol):
-    """What the loop needs from a rollout engine (vLLM in production, transformers generate as fallback)."""
+class SteppingEngine(Protocol):
+    """An engine whose requests run while others join (continuous multi-turn episodes, `visionrl.envs.continuous`):
+    prompts submitted at any time join the running batch; finished ones are collected by request id."""
+
+    def submit(self, prompts: list[PromptItem], spec: SamplingSpec) -> list[str]:
+        """Queue one request per prompt (`spec.n` must be 1) and return their ids at once. A `spec.seed` reseeds
+        the engine first, which only a submit with nothing in flight may do (a lane's first turns); later turns
+        come with no seed and draw from the running stream."""
+        ...
+
+    def collect(self, timeout_s: float) -> dict[str, list[Completion]]:
+        """The requests finished since the last call, by id (an empty list: the engine refused that prompt),
+        waiting up to `timeout_s` for the first one; at once when nothing is in flight."""
+        ...
+
+    def abort(self) -> int:
+        """Drop every request in flight and every uncollected result (a failed step); returns how many."""
+        ...
+
+
+class RolloutEngine(SteppingEngine, Protocol):
+    """What the loop needs from a rollout engine (vLLM in production, transformers generate as fallback); its
+    stepping API plays continuous episodes."""
 
     def generate(self, prompts: list[PromptItem], spec: SamplingSpec) -> list[list[Completion]]:
         """`spec.n` completions for every prompt, in prompt order; none (an empty list) for a prompt the engine
@@ -165,6 +186,10 @@ class RolloutEngine(Protocol):
 
     def wake_up(self) -> None:
         """Undo `sleep`; `generate` and `load_adapter` wake a sleeping engine themselves."""
+        ...
+
+    def in_flight(self) -> bool:
+        """Whether submitted requests are still queued or running (nothing may be left after a step)."""
         ...
 
     def close(self) -> None: ...

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -48,3 +49,22 @@ class Solid(Env):
 
     def step(self, action: str) -> StepResult:
         return StepResult(Observation("and this?", [Image.new("RGB", (self.size, self.size), (0, 200, 0))]))
+
+
+EVENTS: list[tuple[str, str, int]] = []  # ("submit" | "answered", the record's name, turn), as they happened
+GATE = threading.Event()  # opened by the test's engine; `Gated` waits for it on slow records
+GATE_WAIT_S = {"s": 5.0}
+
+
+class Gated(RetryColour):
+    """RetryColour whose step on records marked `slow` waits for GATE (at most GATE_WAIT_S), then logs its answer."""
+
+    def reset(self, record: dict[str, Any]) -> Observation:
+        self.name, self.slow = str(record["name"]), bool(record.get("slow"))
+        return super().reset(record)
+
+    def step(self, action: str) -> StepResult:
+        if self.slow:
+            GATE.wait(GATE_WAIT_S["s"])
+            EVENTS.append(("answered", self.name, self.tries + 1))
+        return super().step(action)

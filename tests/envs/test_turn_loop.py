@@ -7,47 +7,13 @@ from pathlib import Path
 
 import pytest
 from PIL import Image
+from tests.envs.scripted import ScriptedEngine
 
 from visionrl.config_env import EnvConfig
 from visionrl.envs.episodes import EpisodeRunner
 from visionrl.envs.pool import LocalEnvs
 from visionrl.models.loader import load_processor
-from visionrl.types import Completion, PromptItem, SamplingSpec
-
-
-class ScriptedEngine:
-    """Answers "red" in the first turn of every episode and "green" after (ids of the tiny vocabulary), or runs
-    out of tokens on prompts whose record says so."""
-
-    def __init__(self, processor) -> None:
-        vocab = processor.tokenizer.get_vocab()
-        self.words = {w: vocab[w] for w in ("red", "green", "blue", "<|im_end|>")}
-        self.pad = vocab["<|image_pad|>"]
-        self.calls = 0
-
-    def generate(self, prompts: list[PromptItem], spec: SamplingSpec) -> list[list[Completion]]:
-        self.calls += 1
-        out = []
-        for i, p in enumerate(prompts):
-            assert p.token_ids is not None and p.token_ids.count(self.pad) == len(p.images)  # images in step
-            if p.record.get("long"):
-                out.append(
-                    [
-                        Completion(
-                            i,
-                            [self.words["blue"]] * spec.max_tokens,
-                            "blue blue",
-                            [-0.1] * spec.max_tokens,
-                            "length",
-                        )
-                    ]
-                )
-                continue
-            word = "red" if len(p.images) == 1 else "green"
-            out.append(
-                [Completion(i, [self.words[word], self.words["<|im_end|>"]], word, [-0.1, -0.2], "stop")]
-            )
-        return out
+from visionrl.types import PromptItem, SamplingSpec
 
 
 def _records() -> list[PromptItem]:

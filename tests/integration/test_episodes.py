@@ -24,7 +24,7 @@ def test_episodes_with_image_observations_train_token_exact_on_vllm(
         pretrained_tiny_model,
         color_data,
         tmp_path / "run",
-        env={"name": "tests.envs.sample_envs:RetryColour", "max_turns": 3},
+        env={"name": "tests.envs.sample_envs:RetryColour", "max_turns": 3, "pipeline": "continuous"},
         rewards=[],  # the environment's rewards only
         rollout={"engine": "vllm", "prompts_per_step": 4, "max_new_tokens": 3, "max_model_len": 512},
         logging={"save_every": 100, "images_every": 1, "eval_every": 100},
@@ -75,3 +75,66 @@ def test_a_failing_or_slow_environment_ends_only_its_episodes(
     others = sum(v for k, v in h.items() if k.startswith(tags.EPISODE_ENDED_PREFIX))
     assert others == 32
     assert result.steps == 1
+
+
+def test_continuous_episodes_through_ray_are_the_turn_by_turn_episodes_on_vllm(
+    pretrained_tiny_model: Path, color_data: Path, tmp_path: Path, shared_ray
+) -> None:
+    """One vLLM rollout actor and the env workers (Ray): greedy episodes of three turns with a picture each turn
+    come out the same turn by turn and continuous (log-probs within the prefix cache's rounding), and nothing is
+    left in the engine afterwards."""
+    import math
+
+    import ray
+
+    from visionrl.data import load_dataset
+    from visionrl.data.prompts import build_prompt
+    from visionrl.envs.episodes import EpisodeRunner
+    from visionrl.models.loader import load_processor
+    from visionrl.orchestrate.actors import RolloutActor, engine_budget
+    from visionrl.orchestrate.engine_lanes import EngineLane
+    from visionrl.orchestrate.env_workers import EnvPool
+    from visionrl.orchestrate.workers import Workers
+    from visionrl.types import SamplingSpec
+
+    cfg = small_job(
+        pretrained_tiny_model,
+        color_data,
+        tmp_path / "run",
+        env={"name": "tests.envs.sample_envs:Solid", "max_turns": 3, "num_workers": 2},
+        rollout={"engine": "vllm", "max_new_tokens": 3, "max_model_len": 512},
+    )
+    engine = RolloutActor.options(num_cpus=0).remote(cfg, [], 0, 0)  # type: ignore[attr-defined]
+    assert cfg.env is not None
+    pool = EnvPool(cfg.env)
+    try:
+        processor = load_processor(pretrained_tiny_model, engine_budget(cfg))
+        records = [
+            build_prompt(s, processor, keep_source=True)
+            for s in list(load_dataset(color_data / "train.jsonl"))[:4]
+        ]
+        workers = Workers([], [engine], [], cfg)
+        runner = EpisodeRunner.of(cfg, processor, pool)
+        spec = SamplingSpec(n=2, greedy=True, max_tokens=3)
+        turns = runner.run(records, workers.rollout_lanes(), spec)
+        continuous = runner.run(records, [EngineLane(workers, 0)], spec)
+        assert not ray.get(engine.in_flight.remote())
+    finally:
+        pool.kill()
+        ray.kill(engine)
+    pairs = [(a, b) for ga, gb in zip(turns.completions, continuous.completions, strict=True) for a, b in zip(ga, gb, strict=True)]  # fmt: skip
+    for a, b in pairs:
+        assert (b.token_ids, b.env_mask, b.episode, len(b.images)) == (
+            a.token_ids,
+            a.env_mask,
+            a.episode,
+            len(a.images),
+        )
+        assert all(math.isnan(x) == math.isnan(y) for x, y in zip(a.logprobs, b.logprobs, strict=True))
+        assert (
+            max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True) if not math.isnan(x)) < 1e-3
+        )
+    assert [c.episode["ended"] for g in continuous.completions for c in g] == ["max_turns"] * 8
+    assert (
+        continuous.metrics["episode/turns_mean"] == 3 and continuous.metrics["episode/replay_mismatches"] == 0
+    )

@@ -125,9 +125,10 @@ def test_two_engines_take_whole_groups_and_serve_every_adapter_version(
     import ray
 
     from visionrl.orchestrate.actors import start_actors
+    from visionrl.orchestrate.engine_lanes import engine_spec as _engine_spec
     from visionrl.orchestrate.prompt_stream import PromptStream
     from visionrl.orchestrate.ray_session import ray_session
-    from visionrl.orchestrate.workers import Workers, _engine_spec
+    from visionrl.orchestrate.workers import Workers
     from visionrl.types import SamplingSpec
 
     caplog.set_level(logging.INFO, logger="visionrl")

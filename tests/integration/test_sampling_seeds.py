@@ -50,7 +50,8 @@ def test_samples_do_not_share_noise_and_a_step_seed_reproduces_them(tiny_model: 
 
 
 def test_engines_and_rounds_draw_from_different_seeds() -> None:
-    from visionrl.orchestrate.workers import ENGINE_SEED_STRIDE, _engine_spec
+    from visionrl.orchestrate.engine_lanes import ENGINE_SEED_STRIDE
+    from visionrl.orchestrate.engine_lanes import engine_spec as _engine_spec
 
     spec = SamplingSpec(n=2, seed=7)
     assert [_engine_spec(spec, i).seed for i in range(3)] == [

@@ -1,8 +1,10 @@
-"""Multi-turn episodes (`env` in the job file): the G episodes of each record of a step, generated turn by turn.
+"""Multi-turn episodes (`env` in the job file): the G episodes of each record of a step, played on the engines.
 
-All live episodes of the step go to the engines together at each turn (each engine continues its episodes from
-their token ids: nothing earlier is re-tokenised; with prefix caching the engine does not re-encode earlier turns),
-then the environments step all of them at once in the env workers. An episode ends when its environment says
+Two pipelines (`env.pipeline`). `turns`: all live episodes of an engine generate their turn together (each engine
+continues its episodes from their token ids: nothing earlier is re-tokenised; with prefix caching the engine does
+not re-encode earlier turns), then the environments step all of them at once in the env workers. `continuous`
+(`envs.continuous`): an episode's next turn joins the engine's running batch as soon as its environment answers.
+An episode ends when its environment says
 done, at `env.max_turns`, when a turn is cut by max_new_tokens, when its next turn would not fit
 `rollout.max_model_len` or its images `env.max_images`, or when its environment fails (reward 0). Every ending is
 counted (`episode/ended_*`), and every finished episode is re-rendered in one piece by the chat template and
@@ -32,6 +34,7 @@ from visionrl.types import Completion, PromptItem, SamplingSpec
 
 logger = logging.getLogger(__name__)
 FAILED = ("error", "timeout")  # endings whose episode scores 0
+MAX_ENV_THREADS = 256  # continuous: environment calls in flight at once (each waits on its env worker)
 
 
 @dataclass
@@ -75,29 +78,49 @@ class EpisodeRunner:
                    system_prompt=d.system_prompt)  # fmt: skip
 
     def run(self, records: list[PromptItem], rollout: Any, spec: SamplingSpec) -> EpisodeBatch:
-        """The episodes of `records` (G each). `rollout(prompts, spec)` is the engines' generate, or a list of
-        them, one per engine: each engine then plays its own records' episodes (a record's G episodes on one
-        engine, sharing its prompt's cache) in a lane of its own, turn after turn, so the environments step one
-        engine's episodes while the other engines generate theirs; no engine waits for the slowest."""
+        """The episodes of `records` (G each). `rollout` is one engine or a list of them, one per engine: each
+        engine then plays its own records' episodes (a record's G episodes on one engine, sharing its prompt's
+        cache) in a lane of its own, so the environments step one engine's episodes while the other engines
+        generate theirs; no engine waits for the slowest. An engine is a `generate(prompts, spec)` callable
+        (turn by turn) or a `SteppingEngine` (continuous: `envs.continuous`)."""
         episodes = self._start(records, spec.n)
         lanes = rollout if isinstance(rollout, list) else [rollout]
         parts = [[e for e in episodes if e.group % len(lanes) == k] for k in range(len(lanes))]
         self._env_s = 0.0
-        if len(lanes) == 1:
-            self._lane(parts[0], lanes[0], spec, 0)
-        else:
-            with ThreadPoolExecutor(max_workers=len(lanes), thread_name_prefix="visionrl-lane") as pool:
-                for future in [
-                    pool.submit(self._lane, part, lane, spec, k)
-                    for k, (part, lane) in enumerate(zip(parts, lanes, strict=True))
-                ]:
-                    future.result()  # an engine's or env worker's failure, raised here
+        continuous = all(hasattr(lane, "submit") for lane in lanes)
+        # continuous lanes step each episode's environment on its own: a thread each, shared by the lanes
+        env_threads = ThreadPoolExecutor(
+            max_workers=min(max(len(episodes), 1), MAX_ENV_THREADS), thread_name_prefix="visionrl-env"
+        ) if continuous else None  # fmt: skip
+        try:
+            if len(lanes) == 1:
+                self._play(parts[0], lanes[0], spec, env_threads)
+            else:
+                with ThreadPoolExecutor(max_workers=len(lanes), thread_name_prefix="visionrl-lane") as pool:
+                    for future in [
+                        pool.submit(self._play, part, lane, spec, env_threads)
+                        for part, lane in zip(parts, lanes, strict=True)
+                    ]:
+                        future.result()  # an engine's or env worker's failure, raised here
+        finally:
+            if env_threads is not None:
+                env_threads.shutdown(wait=False, cancel_futures=True)
         for e in episodes:
             e.end("max_turns")
         self.pool.close([e.key for e in episodes])
         return self._batch(records, episodes, spec.n, self._env_s)
 
-    def _lane(self, part: list[Episode], rollout: Any, spec: SamplingSpec, lane: int) -> None:
+    def _play(self, part: list[Episode], rollout: Any, spec: SamplingSpec, env_threads: Any) -> None:
+        if env_threads is None:
+            self._lane(part, rollout, spec)
+            return
+        from visionrl.envs.continuous import play
+
+        env_s = play(self, part, rollout, replace(spec, n=1), env_threads)
+        with self._lock:
+            self._env_s += env_s
+
+    def _lane(self, part: list[Episode], rollout: Any, spec: SamplingSpec) -> None:
         """`part`'s episodes to their end: each turn on the engine `rollout`, then their environments' step."""
         for turn in range(self.env.max_turns):
             seed = None if spec.seed is None else spec.seed + 7919 * turn
@@ -108,25 +131,28 @@ class EpisodeRunner:
 
     def _turn(self, part: list[Episode], rollout: Any, spec: SamplingSpec) -> list[Episode]:
         """One turn of the live episodes of `part` on the engines; returns those whose environment steps next."""
-        live = [e for e in part if not e.done]
-        for e in live:
-            if e.tokens() + spec.max_tokens > self.max_model_len:
-                e.end("too_long")
-        live = [e for e in live if not e.done]
+        live = [e for e in part if self.fits(e, spec)]
         if not live:
             return []
         groups = rollout([e.engine_prompt() for e in live], spec)
-        acting = []
-        for e, group in zip(live, groups, strict=True):
-            if not group:  # the engine refused the prompt (too long for it, too many images)
-                e.end("too_long")
-                continue
-            e.add_turn(group[0], group[0].text)
-            if group[0].finish_reason == "length":
-                e.end("truncated")
-            else:
-                acting.append(e)
-        return acting
+        return [e for e, group in zip(live, groups, strict=True) if self.take_turn(e, group)]
+
+    def fits(self, e: Episode, spec: SamplingSpec) -> bool:
+        """Whether the live episode `e` gets another turn: one that could not fit max_model_len ends it."""
+        if not e.done and e.tokens() + spec.max_tokens > self.max_model_len:
+            e.end("too_long")
+        return not e.done
+
+    def take_turn(self, e: Episode, group: list[Completion]) -> bool:
+        """The engine's turn added to `e`; whether its environment steps next (not refused, not cut)."""
+        if not group:  # the engine refused the prompt (too long for it, too many images)
+            e.end("too_long")
+            return False
+        e.add_turn(group[0], group[0].text)
+        if group[0].finish_reason == "length":
+            e.end("truncated")
+            return False
+        return True
 
     def _step(self, acting: list[Episode]) -> None:
         """The environments' answers to the episodes' last turns (in the env workers), applied to the episodes."""
@@ -135,7 +161,7 @@ class EpisodeRunner:
         with self._lock:
             self._env_s += time.perf_counter() - t0
         for e, result in zip(acting, results, strict=True):
-            self._after_step(e, result)
+            self.after_step(e, result)
 
     def _start(self, records: list[PromptItem], G: int) -> list[Episode]:
         """One episode per record and member, reset in the env workers; a failed reset ends it at once."""
@@ -180,7 +206,8 @@ class EpisodeRunner:
         episode.image_tokens = sum(encode_images(self.processor, images).tokens)
         return episode
 
-    def _after_step(self, e: Episode, result: StepResult | EnvFailure) -> None:
+    def after_step(self, e: Episode, result: StepResult | EnvFailure) -> None:
+        """The environment's answer applied to `e`: it ends the episode or adds the observation's tokens."""
         if isinstance(result, EnvFailure):
             e.env_reward = 0.0
             e.end(result.kind)

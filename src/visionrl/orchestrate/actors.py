@@ -186,6 +186,23 @@ class RolloutActor:
         with memory_guard("rollout engine", "generation", self.cfg):
             return self.engine.generate(prompts, spec)
 
+    def submit(self, prompts: list[PromptItem], spec: SamplingSpec) -> list[str]:
+        """Continuous episodes (`types.SteppingEngine`): the prompts join the running batch; returns at once."""
+        with memory_guard("rollout engine", "generation", self.cfg):
+            return self.engine.submit(prompts, spec)
+
+    def collect(self, timeout_s: float) -> dict[str, list[Completion]]:
+        """What finished since the last call, waiting up to `timeout_s` (short: the actor takes no other call
+        meanwhile, and the driver submits the next turns in between)."""
+        with memory_guard("rollout engine", "generation", self.cfg):
+            return self.engine.collect(timeout_s)
+
+    def abort(self) -> int:
+        return self.engine.abort()
+
+    def in_flight(self) -> bool:
+        return bool(self.engine.in_flight())
+
     def load_adapter(self, payload: AdapterPayload) -> int:
         with memory_guard("rollout engine", "the adapter sync", self.cfg):
             return self.engine.load_adapter(payload)

@@ -66,7 +66,7 @@ def collect(
         round_spec = replace(spec, seed=None if spec.seed is None else spec.seed + r)
         with clock("rollout"):  # 2. rollout with the current adapter (multi-turn: whole episodes)
             if workers.episodes is not None:
-                episodes.append(workers.episodes.run(batch, workers.rollout_lanes(), round_spec))
+                episodes.append(workers.episodes.run(batch, workers.episode_lanes(), round_spec))
                 batch, groups = episodes[-1].prompts, episodes[-1].completions
             else:
                 groups = workers.rollout(batch, round_spec)

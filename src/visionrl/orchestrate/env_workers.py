@@ -10,6 +10,7 @@ from typing import Any
 import ray
 
 from visionrl.envs.base import Observation, StepResult
+from visionrl.envs.episodes import MAX_ENV_THREADS
 from visionrl.envs.pool import EnvFailure, EnvSet
 from visionrl.envs.registry import env_factory
 from visionrl.orchestrate import console
@@ -45,7 +46,11 @@ class EnvPool:
         from visionrl.orchestrate.actors import with_actor_env
 
         self.cfg = env_cfg
-        opts: list[dict[str, Any]] = [{"num_cpus": 0} for _ in range(env_cfg.num_workers)]
+        # Threaded actors: continuous episodes send each episode's step on its own, and a worker's slow
+        # environment must not queue its other episodes' calls behind it (EnvSet's calls are per key).
+        opts: list[dict[str, Any]] = [
+            {"num_cpus": 0, "max_concurrency": MAX_ENV_THREADS} for _ in range(env_cfg.num_workers)
+        ]
         with_actor_env(opts)
         self.actors = [
             EnvActor.options(**o).remote(env_cfg, i)  # type: ignore[attr-defined]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -31,6 +31,7 @@ from visionrl.orchestrate.delivery import (
     diffs_by_engine,
     scoring_batch,
 )
+from visionrl.orchestrate.engine_lanes import EngineLane, engine_spec
 from visionrl.orchestrate.env_workers import EnvPool
 from visionrl.orchestrate.failures import resume_hint
 from visionrl.orchestrate.judging import join_scores, start_judges
@@ -59,11 +60,6 @@ from visionrl.types import Completion, PromptItem, SamplingSpec
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 ACTOR_RESTARTS_KEY = "actor_restarts"  # in a checkpoint's extra: the restarts the run had used by then
-ENGINE_SEED_STRIDE = 1_000_003  # engines draw from disjoint seed streams: no two samples share noise
-
-
-def _engine_spec(spec: SamplingSpec, engine: int) -> SamplingSpec:
-    return spec if spec.seed is None else replace(spec, seed=spec.seed + ENGINE_SEED_STRIDE * engine)
 
 
 class _RemoteEngine:
@@ -182,7 +178,7 @@ class Workers:
 
         def attempt() -> list[list[Completion]]:
             calls = [
-                Call(e.generate.remote(c, _engine_spec(spec, i)), ENGINE, i)
+                Call(e.generate.remote(c, engine_spec(spec, i)), ENGINE, i)
                 for i, (e, c) in enumerate(zip(self.engines, chunks, strict=True))
                 if c
             ]
@@ -194,9 +190,7 @@ class Workers:
         """`rollout` on engine `index` alone (an episode lane: `envs.episodes`), restarted like the others."""
 
         def attempt() -> list[list[Completion]]:
-            call = Call(
-                self.engines[index].generate.remote(prompts, _engine_spec(spec, index)), ENGINE, index
-            )
+            call = Call(self.engines[index].generate.remote(prompts, engine_spec(spec, index)), ENGINE, index)
             return list(self._get([call], "rollout", True)[0])
 
         return self._recovering(attempt)
@@ -204,6 +198,12 @@ class Workers:
     def rollout_lanes(self) -> list[Callable[[list[PromptItem], SamplingSpec], list[list[Completion]]]]:
         """One generate per engine: multi-turn episodes play each engine's share in a lane of its own."""
         return [partial(self.rollout_on, i) for i in range(len(self.engines))]
+
+    def episode_lanes(self) -> list[Any]:
+        """The engines as the job's `env.pipeline` plays them: stepping lanes (continuous) or generates (turns)."""
+        if self.cfg.env is not None and self.cfg.env.pipeline == "continuous":
+            return [EngineLane(self, i) for i in range(len(self.engines))]
+        return self.rollout_lanes()
 
     # at start: the adapter reaches the engines
     def verify_delivery(self, prompts: list[PromptItem]) -> list[PartProbe]:

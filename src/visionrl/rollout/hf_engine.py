@@ -26,6 +26,7 @@ from visionrl.models.token_prompts import (
 )
 from visionrl.rollout.probe import PROBE_TOKENS, as_a_faulty_engine_applies, probe_result
 from visionrl.rollout.rejects import generate_skipping
+from visionrl.rollout.stepping import BatchingStepper
 from visionrl.types import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
@@ -81,6 +82,7 @@ class HFEngine:
         }
         self.model.merge_adapter()
         self._served: AdapterPayload | None = None  # the payload merged now (None: base model, B = 0)
+        self._stepper = BatchingStepper(self.generate)  # continuous episodes: what is queued, one batch
 
     def adapter_version(self) -> int:
         return self._version
@@ -265,6 +267,19 @@ class HFEngine:
 
     def wake_up(self) -> None:
         """See `sleep`."""
+
+    def submit(self, prompts: list[PromptItem], spec: SamplingSpec) -> list[str]:
+        """`types.SteppingEngine`, simple form: queued until `collect` generates the queue as one batch."""
+        return self._stepper.submit(prompts, spec)
+
+    def collect(self, timeout_s: float) -> dict[str, list[Completion]]:
+        return self._stepper.collect(timeout_s)
+
+    def abort(self) -> int:
+        return self._stepper.abort()
+
+    def in_flight(self) -> bool:
+        return self._stepper.busy()
 
     def close(self) -> None:
         self.model = None

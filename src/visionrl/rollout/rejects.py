@@ -41,3 +41,14 @@ def generate_skipping(
     if items:
         run(0, len(items))
     return out
+
+
+def vllm_rejections() -> tuple[type[BaseException], ...]:
+    """What vLLM raises for a request it refuses at validation: `VLLMValidationError` in vLLM 0.32 (not a
+    ValueError there: docs/ENGINE_NOTES.md), a ValueError in earlier releases and from the HF processor (e.g. an
+    aspect ratio over 200)."""
+    try:
+        from vllm.exceptions import VLLMValidationError
+    except ImportError:  # releases before the class existed raise ValueError
+        return (ValueError,)
+    return (ValueError, VLLMValidationError)

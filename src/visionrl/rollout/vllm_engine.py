@@ -24,9 +24,10 @@ from visionrl import faults
 from visionrl.adapter.servable import vllm_max_lora_rank
 from visionrl.data.images import ImageBudget
 from visionrl.rollout.probe import PROBE_TOKENS, as_a_faulty_engine_applies, probe_result
-from visionrl.rollout.rejects import generate_skipping
+from visionrl.rollout.rejects import generate_skipping, vllm_rejections
 from visionrl.rollout.scratch import make_scratch_dir, remove_orphaned_scratch
 from visionrl.rollout.vllm_platform import cpu_only, set_cpu_env
+from visionrl.rollout.vllm_stepping import VLLMStepper
 from visionrl.types import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
@@ -50,17 +51,6 @@ def _quiet_vllm() -> None:
     logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(
         lambda record: "set_num_threads" not in record.getMessage()
     )
-
-
-def _rejections() -> tuple[type[BaseException], ...]:
-    """What vLLM raises for a request it refuses at validation: `VLLMValidationError` in vLLM 0.32 (not a
-    ValueError there: docs/ENGINE_NOTES.md), a ValueError in earlier releases and from the HF processor (e.g. an
-    aspect ratio over 200)."""
-    try:
-        from vllm.exceptions import VLLMValidationError
-    except ImportError:  # releases before the class existed raise ValueError
-        return (ValueError,)
-    return (ValueError, VLLMValidationError)
 
 
 class VLLMEngine:
@@ -128,6 +118,7 @@ class VLLMEngine:
         self._rebuilds = 0
         self._sampling_calls, self._fail_next = 0, False  # for the fault injection (fail_engine_batch)
         self._llm: Any = self._build()
+        self._stepper: VLLMStepper | None = None  # continuous episodes' running batch, made on first use
 
     def _build(self) -> Any:
         from vllm import LLM
@@ -142,6 +133,7 @@ class VLLMEngine:
         return self._version
 
     def load_adapter(self, payload: AdapterPayload) -> int:
+        self._exclusive("loading an adapter")
         self.wake_up()
         if self._lora is not None and payload.version == self._version:
             return self._version  # already served (a LoRA id must never be reused for other weights)
@@ -183,6 +175,7 @@ class VLLMEngine:
         embedding or prefix crosses between the policy and the judge."""
         from vllm import SamplingParams
 
+        self._exclusive("judging")
         self.wake_up()
         if ask.wants_text:
             params = SamplingParams(
@@ -207,7 +200,7 @@ class VLLMEngine:
         self._reset_caches()
         try:
             outputs = generate_skipping(
-                lambda batch: self._run(batch, params, base), self._inputs(prompts), _rejections(), skip
+                lambda batch: self._run(batch, params, base), self.inputs(prompts), vllm_rejections(), skip
             )
         finally:
             self._remove(base)
@@ -276,20 +269,39 @@ class VLLMEngine:
             self._llm.reset_prefix_cache()
 
     def generate(self, prompts: list[PromptItem], spec: SamplingSpec) -> list[list[Completion]]:
+        self._exclusive("generate")
         self.wake_up()  # a caller that forgot to wake the engine gets a working one, not an error
         self._sampling_calls += not spec.greedy
         self._fail_next = self._sampling_calls == faults.AT_CALL and faults.active("fail_engine_batch")
         return self._generate(prompts, spec, self._lora)
 
     def _generate(self, prompts: list[PromptItem], spec: SamplingSpec, lora: Any) -> list[list[Completion]]:
+        if spec.seed is not None:
+            self.reseed(spec.seed)
+        params = self.sampling_params(spec)
+
+        def skip(index: int, err: BaseException) -> None:
+            logger.warning("vLLM rejected prompt %r; skipping it: %s", prompts[index].sample_id, err)
+
+        outputs = generate_skipping(
+            lambda batch: self._run(batch, params, lora), self.inputs(prompts), vllm_rejections(), skip
+        )
+        return [
+            [] if out is None else [self.completion(i, c) for c in out.outputs]
+            for i, out in enumerate(outputs)
+        ]
+
+    def reseed(self, seed: int) -> None:
+        # One seed per step for the engine's own generator instead of per-request seeds: per-request seeds
+        # give sample j of every prompt the same noise and take vLLM's slow sampling path (and fail on the
+        # CPU build); reseeding the engine keeps every sample's noise distinct and a step reproducible.
+        self._llm.collective_rpc("visionrl_reseed", args=(seed,))
+
+    def sampling_params(self, spec: SamplingSpec) -> Any:
+        """vLLM's sampling parameters for `spec`: processed log-probs, forbidden tokens biased away."""
         from vllm import SamplingParams
 
-        if spec.seed is not None:
-            # One seed per step for the engine's own generator instead of per-request seeds: per-request seeds
-            # give sample j of every prompt the same noise and take vLLM's slow sampling path (and fail on the
-            # CPU build); reseeding the engine keeps every sample's noise distinct and a step reproducible.
-            self._llm.collective_rpc("visionrl_reseed", args=(spec.seed,))
-        params = SamplingParams(
+        return SamplingParams(
             n=spec.n,
             temperature=0.0 if spec.greedy else spec.temperature,
             top_p=1.0 if spec.greedy else spec.top_p,
@@ -299,19 +311,8 @@ class VLLMEngine:
             skip_special_tokens=True,
         )
 
-        def skip(index: int, err: BaseException) -> None:
-            logger.warning("vLLM rejected prompt %r; skipping it: %s", prompts[index].sample_id, err)
-
-        outputs = generate_skipping(
-            lambda batch: self._run(batch, params, lora), self._inputs(prompts), _rejections(), skip
-        )
-        return [
-            [] if out is None else [self._completion(i, c) for c in out.outputs]
-            for i, out in enumerate(outputs)
-        ]
-
     @staticmethod
-    def _inputs(prompts: list[PromptItem]) -> list[dict[str, Any]]:
+    def inputs(prompts: list[PromptItem]) -> list[dict[str, Any]]:
         """vLLM's inputs: the text, or an episode's token ids (one placeholder per image: vLLM expands them as it
         does a text prompt's, docs/ENGINE_NOTES.md), with the images."""
         out = []
@@ -337,12 +338,17 @@ class VLLMEngine:
             # The old engine is shut down first: two at once would need twice its memory. The loop probes a
             # rebuilt engine again before its next rollout (`rebuilds`).
             logger.warning("vLLM engine failed (%s); rebuilding it and retrying the batch once", err)
-            self._shutdown()
-            self._llm = self._build()
-            self._rebuilds += 1
+            self.rebuild()
             return list(self._llm.generate(inputs, params, lora_request=self._lora, use_tqdm=False))
 
-    def _completion(self, index: int, c: Any) -> Completion:
+    def rebuild(self) -> None:
+        """A new engine in place of one broken by an internal error; the old one shut down first (two at once
+        would need twice its memory). The loop probes a rebuilt engine again before its next rollout."""
+        self._shutdown()
+        self._llm = self._build()
+        self._rebuilds += 1
+
+    def completion(self, index: int, c: Any) -> Completion:
         ids = list(c.token_ids)
         lps = []
         for tok, entry in zip(ids, c.logprobs or [], strict=False):
@@ -373,8 +379,44 @@ class VLLMEngine:
             torch.cuda.empty_cache()
 
     def close(self) -> None:
+        if self._stepper is not None:
+            self._stepper.close()
         shutil.rmtree(self._dir, ignore_errors=True)
         self._llm = None
+
+    # ------------------------------------------------------------------ stepping (continuous episodes)
+    def submit(self, prompts: list[PromptItem], spec: SamplingSpec) -> list[str]:
+        """`types.SteppingEngine.submit`: the prompts join the running batch (`rollout.vllm_stepping`)."""
+        if not self.in_flight():
+            self.wake_up()  # vLLM is ours while nothing is in flight (a lane's first turns)
+        if self._stepper is None:
+            self._stepper = VLLMStepper(self)
+        return self._stepper.submit(prompts, spec)
+
+    def collect(self, timeout_s: float) -> dict[str, list[Completion]]:
+        return self._stepper.collect(timeout_s) if self._stepper is not None else {}
+
+    def abort(self) -> int:
+        return self._stepper.abort() if self._stepper is not None else 0
+
+    def wake(self) -> None:
+        if self._stepper is not None:
+            self._stepper.wake()
+
+    def in_flight(self) -> bool:
+        return self._stepper is not None and self._stepper.busy()
+
+    def served_lora(self) -> Any:
+        return self._lora
+
+    def llm_engine(self) -> Any:
+        return self._llm.llm_engine
+
+    def _exclusive(self, what: str) -> None:
+        """Nothing else may touch vLLM while the stepping thread has requests in it (an adapter change under a
+        request, or `LLM.generate` collecting the thread's outputs)."""
+        if self.in_flight():
+            raise RuntimeError(f"{what} while continuous requests are in flight: collect or abort them first")
 
 
 def _verdict(c: Any, ask: JudgeAsk) -> float | str | None:
