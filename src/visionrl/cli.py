@@ -150,10 +150,6 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     }
     served = args.endpoint or args.sagemaker_endpoint
     if args.env:
-        if served:
-            raise _usage(
-                "--env plays episodes with a local engine: use --base (and --adapter), not --endpoint"
-            )
         common["env"] = _job_env(args.env)
     if args.endpoint and args.sagemaker_endpoint:
         raise _usage("--endpoint and --sagemaker-endpoint name two servers: give one")

@@ -68,3 +68,13 @@ class Gated(RetryColour):
             GATE.wait(GATE_WAIT_S["s"])
             EVENTS.append(("answered", self.name, self.tries + 1))
         return super().step(action)
+
+
+class ToolRetry(RetryColour):
+    """RetryColour whose second look comes back as a tool's answer (role `tool`: a tool response in the template)."""
+
+    def step(self, action: str) -> StepResult:
+        result = super().step(action)
+        if result.observation is not None:
+            result.observation.role = "tool"
+        return result

@@ -20,9 +20,11 @@ from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
+from visionrl.config_env import EnvConfig
 from visionrl.data.images import ImageBudget, fit_image, grid_factor
 from visionrl.data.layouts import Layout
 from visionrl.errors import InputError, RunError
+from visionrl.eval.endpoint_episodes import EndpointEpisodes
 from visionrl.eval.judged import Judges, check_judges_for, judge_step
 from visionrl.eval.report import DEFAULT_REWARDS, EvalSettings
 from visionrl.eval.sagemaker_runtime import sagemaker_asker
@@ -126,6 +128,7 @@ def evaluate_endpoint(
     judges: Judges | None = None,
     sagemaker_endpoint: str | None = None,
     region: str | None = None,
+    env: EnvConfig | None = None,
 ) -> dict[str, Any]:
     """Evaluate the model or adapter `model` served at `endpoint` (OpenAI base URL), or behind the SageMaker
     endpoint `sagemaker_endpoint` (its runtime API, in `region`), on `data`; write and return the report, in the
@@ -136,10 +139,10 @@ def evaluate_endpoint(
     (optional), the served base model's directory, forbids its vision tokens as local evaluation does and
     gives the image grid the images are resized to. `budget` (default: the default budget) must be the one
     the server was started with (`visionrl serve` takes it from the adapter's manifest). `judges` (`eval
-    --judge`: an endpoint, a judge model or a classifier in this process) score the answers too.
+    --judge`: an endpoint, a judge model or a classifier in this process) score the answers too. With `env` (a
+    job's `env` section) each record is one greedy episode whose tool loop runs here (`eval.endpoint_episodes`).
     """
     from visionrl.data.dataset import load_dataset
-    from visionrl.data.prompts import prompt_messages
 
     if not model:
         raise InputError("served evaluation needs --model NAME: an adapter or base model name the endpoint "
@@ -162,14 +165,14 @@ def evaluate_endpoint(
         samples = list(load_dataset(data, max_samples=max_samples, layout=layout))
         # The server applies the chat template; the prompt text stays empty here.
         prompts = settings.prompts([
-            PromptItem("", [fit_image(im, budget, factor) for im in s.images], s.answer, dict(s.record), s.id)
+            PromptItem("", [fit_image(im, budget, factor) for im in s.images], s.answer, dict(s.record), s.id,
+                       source_images=list(s.images) if env is not None else [])
             for s in samples
         ])  # fmt: skip
-        requests = [
-            chat_messages(prompt_messages(s), p.images) for s, p in zip(samples, prompts, strict=True)
-        ]
-        answer = partial(request_answers, ask, model, requests, max_tokens=max_tokens, concurrency=concurrency,
-                         forbidden_token_ids=forbidden)  # fmt: skip
+        episodes: dict[str, float] = {}  # the episodes' metrics, with `env`
+        answer = _answerer(ask, model, samples, prompts, env=env, max_tokens=max_tokens, concurrency=concurrency,
+                           forbidden=forbidden, fit=lambda im: fit_image(im, budget, factor),
+                           prompt_key=(layout or Layout()).prompt_key, episodes=episodes)  # fmt: skip
         return settings.report(
             prompts,
             answer,
@@ -178,8 +181,28 @@ def evaluate_endpoint(
             model=f"{model} @ {where}",
             extra={"endpoint": where, "served_model": model, "base": base,
                    "engine": "sagemaker" if sagemaker_endpoint is not None else "endpoint",
-                   "concurrency": concurrency, "timeout_s": timeout_s, "images": budget.as_dict()},
+                   "concurrency": concurrency, "timeout_s": timeout_s, "images": budget.as_dict(),
+                   **({"env": env.model_dump(mode="json"), "episodes": episodes} if env is not None else {})},
         )  # fmt: skip
+
+
+def _answerer(
+    ask: Ask, model: str, samples: list[Any], prompts: list[PromptItem], *, env: EnvConfig | None, max_tokens: int,
+    concurrency: int, forbidden: list[int], fit: Callable[[Any], Any], prompt_key: str, episodes: dict[str, float],
+) -> Callable[[], list[Generation]]:  # fmt: skip
+    """What answers the prompts: one request each, or with `env` one greedy episode each (its metrics into
+    `episodes`)."""
+    from visionrl.data.prompts import prompt_messages
+
+    if env is not None:
+        options: dict[str, Any] = {"temperature": 0.0, "max_tokens": max_tokens}
+        if forbidden:
+            options["logit_bias"] = {str(t): FORBIDDEN_BIAS for t in forbidden}
+        player = EndpointEpisodes(env, ask, model, options=options, fit=fit)
+        return partial(player.answers, prompts, concurrency, episodes, prompt_key)
+    requests = [chat_messages(prompt_messages(s), p.images) for s, p in zip(samples, prompts, strict=True)]
+    return partial(request_answers, ask, model, requests, max_tokens=max_tokens, concurrency=concurrency,
+                   forbidden_token_ids=forbidden)  # fmt: skip
 
 
 def check_failures(report: dict[str, Any], max_failed_fraction: float, out: str) -> None:
