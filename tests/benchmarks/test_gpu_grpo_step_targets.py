@@ -10,11 +10,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import gpu_grpo_step
 
 
-def _report(update_s: float, tokens: float, learner: float, peak: float) -> dict:  # type: ignore[type-arg]
+def _report(spread: float, tokens: float, learner: float, peak: float) -> dict:  # type: ignore[type-arg]
     return {
         "setup": {"weights_gib": 16.0},
         "results": [
-            {"size": "64x8x512", "update_s": update_s, "tokens_per_s_per_gpu": tokens},
+            {"size": "64x8x512", "tokens_per_s_per_gpu": tokens},
+            {"size": "64x8x512 spread", "tokens_per_s_per_gpu": spread},
             {"size": "16x8x256", "learner_tokens_per_s": learner, "peak_mem_gib": {"LearnerActor": peak}},
             {"size": "8x8x128", "learner_tokens_per_s": 1.0, "peak_mem_gib": {}},
         ],
@@ -26,23 +27,24 @@ def _report(update_s: float, tokens: float, learner: float, peak: float) -> dict
 
 
 def test_targets_met_and_missed_with_hand_derived_values() -> None:
-    # learner 9,000 / 4,000 = 2.25 >= 2: met; memory (20 - 16) / 8 = 0.5 <= 0.5: met (the bound is inclusive)
-    met = {t["target"]: t for t in gpu_grpo_step.targets(_report(56.0, 5000.0, 9000.0, 20.0))}
-    assert set(met) == {
-        "update_s",
-        "tokens_per_s_per_gpu",
-        "learner_tokens_per_s_vs_trl",
-        "memory_beyond_weights_vs_trl",
+    # learner 10,000 / 4,000 = 2.5 >= 2.5: met; memory (20 - 16) / 8 = 0.5 <= 0.5: met (the bounds are inclusive)
+    met = gpu_grpo_step.targets(_report(8500.0, 9000.0, 10000.0, 20.0))
+    assert [(t["target"], t["size"]) for t in met] == [
+        ("tokens_per_s_per_gpu", "64x8x512"),
+        ("tokens_per_s_per_gpu", "64x8x512 spread"),
+        ("learner_tokens_per_s_vs_trl", "16x8x256"),
+        ("memory_beyond_weights_vs_trl", "16x8x256"),
+    ]
+    assert all(t["met"] and "why" not in t for t in met)
+    assert met[2]["value"] == 2.5 and met[3]["value"] == 0.5
+    # 8,499 < 8,500 spread, 8,999 < 9,000 equal, 9,900 / 4,000 = 2.475 < 2.5, (48 - 16) / 8 = 4 > 0.5: all missed
+    missed = {
+        (t["target"], t["size"]): t for t in gpu_grpo_step.targets(_report(8499.0, 8999.0, 9900.0, 48.0))
     }
-    assert all(t["met"] and "why" not in t for t in met.values())
-    assert met["learner_tokens_per_s_vs_trl"]["value"] == 2.25
-    assert met["memory_beyond_weights_vs_trl"]["value"] == 0.5
-    # update 56.5 > 56, 4,999 < 5,000, 7,900 / 4,000 = 1.975 < 2, (48 - 16) / 8 = 4 > 0.5: all missed
-    missed = {t["target"]: t for t in gpu_grpo_step.targets(_report(56.5, 4999.0, 7900.0, 48.0))}
     assert not any(t["met"] for t in missed.values())
-    assert missed["memory_beyond_weights_vs_trl"]["value"] == 4.0
-    assert missed["memory_beyond_weights_vs_trl"]["why"].startswith("by design")
-    assert missed["update_s"]["why"] == "not explained yet"
+    assert missed[("memory_beyond_weights_vs_trl", "16x8x256")]["value"] == 4.0
+    assert missed[("memory_beyond_weights_vs_trl", "16x8x256")]["why"].startswith("by design")
+    assert missed[("tokens_per_s_per_gpu", "64x8x512 spread")]["why"] == "not explained yet"
 
 
 def test_committed_results_name_each_target() -> None:
