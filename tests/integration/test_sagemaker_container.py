@@ -6,7 +6,8 @@ SageMaker endpoint's container gets them (VISIONRL_BASE_MODEL, VISIONRL_ADAPTERS
 /ping answers 503 from the first second and 200 once the model answers; /invocations takes the OpenAI chat request
 with an image, the adapter named in the body or by SageMaker's adapter header; adapters load and unload at run time
 through /adapters, checked against their manifests; `visionrl eval --sagemaker-endpoint` through boto3's SageMaker
-runtime client gives the answers `eval --endpoint` gives; SIGTERM stops the front and vLLM.
+runtime client gives the answers `eval --endpoint` gives; `eval --endpoint --env` plays the local engine's episodes
+(the tool loop client-side); SIGTERM stops the front and vLLM.
 """
 
 from __future__ import annotations
@@ -32,7 +33,10 @@ from tests.integration.random_adapter import random_adapter
 from visionrl.adapter.export import export_adapter
 from visionrl.adapter.storage import filesystem
 from visionrl.cli import main
+from visionrl.config_env import EnvConfig
 from visionrl.errors import InputError
+from visionrl.eval.endpoint import evaluate_endpoint
+from visionrl.eval.local import evaluate_local
 from visionrl.eval.wire import image_data_url
 from visionrl.serve.model_source import LISTING_NAME, local_model_dir
 from visionrl.serve.process import ServerHandle, free_port
@@ -45,8 +49,10 @@ COLORS = [(220, 30, 30), (30, 200, 40), (40, 60, 220), (240, 220, 30)]
 
 
 @pytest.fixture(scope="module")
-def aws(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[dict[str, Any]]:
-    """moto S3 with the tiny model under s3://BUCKET/base and adapters a1, a2 (exported) and bad (tampered)."""
+def aws(tmp_path_factory: pytest.TempPathFactory, pretrained_tiny_model: Path) -> Iterator[dict[str, Any]]:
+    """moto S3 with the pre-trained tiny model (it answers a colour and ends its turn) under s3://BUCKET/base and
+    adapters a1, a2 (exported) and bad (tampered)."""
+    tiny_model = pretrained_tiny_model
     import boto3
 
     home = tmp_path_factory.mktemp("aws")
@@ -169,7 +175,7 @@ def test_adapters_load_and_unload_at_run_time(container: dict[str, Any]) -> None
     assert (status, body["message"]) == (200, "Adapter a2 registered")
     status, models = _get(url, "/v1/models")
     assert status == 200 and {"a1", "a2"} <= {m["id"] for m in json.loads(models)["data"]}
-    assert _answer(url, COLORS[0], "a2")
+    _answer(url, COLORS[0], "a2")  # 200: a2 answers
 
     status, body = _post(url, "/adapters", {"name": "bad", "src": f"s3://{BUCKET}/bad"})
     assert status == 400 and "does not match the sha256 in its manifest" in body["error"]
@@ -247,6 +253,24 @@ def test_eval_through_the_sagemaker_runtime_equals_the_endpoint(
     assert [s["completion"] for s in sm["samples"]] == [s["completion"] for s in ep["samples"]]
     assert sm["accuracy"] == ep["accuracy"]
     assert _Runtime.seen == [(ENDPOINT_NAME, "application/json")] * 8
+
+
+def test_episodes_through_the_endpoint_are_the_local_episodes(
+    container: dict[str, Any], pretrained_tiny_model: Path, color_data: Path, tmp_path: Path
+) -> None:
+    """`eval --endpoint URL --env JOB`: the tool loop runs client-side over the chat API (pictures in user and tool
+    messages); greedy, the served episodes are the local engine's, turn for turn."""
+    env = EnvConfig(name="tests.envs.sample_envs:ToolRetry", max_turns=3)
+    common = {"data": str(color_data / "eval.jsonl"), "max_samples": 8, "max_tokens": 4, "env": env,
+              "base": str(pretrained_tiny_model)}  # fmt: skip
+    served = evaluate_endpoint(f"{container['url']}/v1", "base", out=str(tmp_path / "served.json"), **common)
+    local = evaluate_local(adapter=None, out=str(tmp_path / "local.json"), engine="vllm", **common)
+    assert served["num_failed"] == 0 and served["num_samples"] == 8
+    assert [s["completion"] for s in served["samples"]] == [s["completion"] for s in local["samples"]]
+    turns = "episode/turns_mean"
+    assert served["episodes"][turns] == local["episodes"][turns] > 1.0  # wrong answers get another look
+    assert served["episodes"]["episode/images_mean"] == local["episodes"]["episode/images_mean"]
+    assert served["accuracy"] == local["accuracy"]
 
 
 def test_sigterm_stops_the_front_and_vllm(container: dict[str, Any]) -> None:

@@ -26,7 +26,6 @@ from visionrl.adapter.files import MANIFEST_NAME
 from visionrl.adapter.manifest import verify_adapter
 from visionrl.adapter.storage import filesystem
 from visionrl.cli import main
-from visionrl.config_env import EnvConfig
 from visionrl.errors import ExportError
 from visionrl.eval.endpoint import evaluate_endpoint
 from visionrl.eval.judged import parse_judges
@@ -300,22 +299,3 @@ def test_a_judge_behind_the_served_endpoint(
     dead = {**common, "base_url": f"http://127.0.0.1:{free_port()}/v1", "retries": 0, "timeout_s": 5}
     failed = EndpointJudge(JudgeSpec.from_kwargs(dead)).judge([request])[0]
     assert isinstance(failed, JudgeFailure) and "APIConnectionError" in failed.message
-
-
-def test_episodes_through_the_endpoint_are_the_local_episodes(
-    server: ServerHandle, exports: dict[str, Any], tiny_model: Path, color_data: Path, tmp_path: Path
-) -> None:
-    """`eval --endpoint URL --env JOB`: the tool loop runs client-side over the chat API (pictures in user and tool
-    messages); greedy, the served episodes are the local engine's, turn for turn."""
-    env = EnvConfig(name="tests.envs.sample_envs:ToolRetry", max_turns=3)
-    common = {"data": str(color_data / "eval.jsonl"), "max_samples": 6, "max_tokens": MAX_TOKENS, "env": env}
-    served = evaluate_endpoint(server.base_url, "a1", out=str(tmp_path / "served.json"), base=str(tiny_model),
-                               api_key=KEY, **common)  # fmt: skip
-    local = evaluate_local(base=str(tiny_model), adapter=str(exports["a1"]), out=str(tmp_path / "local.json"),
-                           engine="vllm", **common)  # fmt: skip
-    assert served["num_failed"] == 0 and _answers(served) == _answers(local)
-    turns = "episode/turns_mean"
-    assert (
-        served["episodes"][turns] == local["episodes"][turns] > 1.0
-    )  # the random adapter needs another look
-    assert served["episodes"]["episode/images_mean"] == local["episodes"]["episode/images_mean"]
