@@ -156,6 +156,8 @@ def measure(
         "engine_sleep_s": mean("timing/engine_sleep_s"),
         "engine_wake_s": mean("timing/engine_wake_s"),
         "sync_s": mean("timing/sync_s"),
+        "sync_load_s": mean("timing/sync_load_s"),  # the adapter to the engine, loaded there
+        "sync_check_s": mean("timing/sync_check_s"),  # the per-step fingerprint (delivery check)
         "judge_s": mean("timing/judge_s"),  # part of reward_s: a `judge` reward's batches (0 without one)
         "judge_mean": mean("reward/judge_mean"),
         # the per-sync delivery check (orchestrate.delivery)

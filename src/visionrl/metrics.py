@@ -66,6 +66,10 @@ TIMING_ROLLOUT = "timing/rollout_s"
 TIMING_REWARD = "timing/reward_s"
 TIMING_UPDATE = "timing/update_s"
 TIMING_SYNC = "timing/sync_s"
+TIMING_SYNC_LOAD = "timing/sync_load_s"  # part of sync_s: the adapter to every engine, loaded there
+TIMING_SYNC_CHECK = (
+    "timing/sync_check_s"  # part of sync_s: each engine's fingerprint under it, learner-scored
+)
 TIMING_STEP = "timing/step_s"
 TIMING_JUDGE = "timing/judge_s"  # part of timing/reward_s: the judges' batches
 TIMING_PHASES: tuple[str, ...] = (TIMING_ROLLOUT, TIMING_REWARD, TIMING_UPDATE, TIMING_SYNC, TIMING_STEP)

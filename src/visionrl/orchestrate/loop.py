@@ -280,7 +280,11 @@ class Loop:
     def _metrics(
         self, got: Collected, stats: dict[str, float], shaping: dict[str, float], synced: Synced | None
     ) -> dict[str, Any]:
-        fingerprint = {tags.FINGERPRINT_DIFF: max(synced.fingerprint_diffs)} if synced else {}
+        fingerprint = (
+            {tags.FINGERPRINT_DIFF: max(synced.fingerprint_diffs), tags.TIMING_SYNC_LOAD: synced.load_s,
+             tags.TIMING_SYNC_CHECK: synced.check_s}
+            if synced else {}
+        )  # fmt: skip
         return {
             **fingerprint,
             **step_metrics(got.rewards, got.completions, got.scores, stats, self.G, int(got.keep.sum())),

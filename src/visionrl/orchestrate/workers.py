@@ -81,6 +81,8 @@ class Synced:
 
     version: int
     fingerprint_diffs: list[float]
+    load_s: float = 0.0  # the adapter to every engine and loaded there
+    check_s: float = 0.0  # the fingerprint: each engine's greedy completion, scored by the learner
 
 
 def reward_deadline_s(cfg: JobConfig, completions: int) -> float:
@@ -308,8 +310,11 @@ class Workers:
                 raise RunError(f"engines serve different adapter versions after sync: {versions}")
             return int(versions[0])
 
+        t0 = time.perf_counter()
         version = self._recovering(attempt)
-        return Synced(version, self._fingerprint())
+        t1 = time.perf_counter()
+        diffs = self._fingerprint()
+        return Synced(version, diffs, t1 - t0, time.perf_counter() - t1)
 
     def _fingerprint(self) -> list[float]:
         """Each engine's greedy completion of the fingerprint prompt under the version it serves, scored by the
