@@ -79,3 +79,12 @@ def atomic_write(path: str | os.PathLike[str], data: bytes | str) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def cache_dir(kind: str, variable: str) -> Path:
+    """Where visionrl caches `kind` (adapters, models): $`variable`, else $XDG_CACHE_HOME/visionrl/`kind`, else
+    ~/.cache/visionrl/`kind`."""
+    if os.environ.get(variable):
+        return Path(os.environ[variable]).expanduser()
+    cache_home = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache_home) / "visionrl" / kind

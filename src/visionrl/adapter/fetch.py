@@ -20,7 +20,7 @@ from visionrl.adapter.manifest import join, read_manifest
 from visionrl.adapter.resolve import export_folder
 from visionrl.adapter.storage import filesystem, is_local, object_store_errors, require_bucket
 from visionrl.errors import ExportError
-from visionrl.files import sha256_file, sha256_stream
+from visionrl.files import cache_dir, sha256_file, sha256_stream
 
 logger = logging.getLogger(__name__)
 
@@ -29,10 +29,7 @@ CACHE_ENV = "VISIONRL_ADAPTER_CACHE"
 
 def default_cache_dir() -> Path:
     """$VISIONRL_ADAPTER_CACHE, else $XDG_CACHE_HOME/visionrl/adapters, else ~/.cache/visionrl/adapters."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]).expanduser()
-    cache_home = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(cache_home) / "visionrl" / "adapters"
+    return cache_dir("adapters", CACHE_ENV)
 
 
 def _cache_key(fs: fsspec.AbstractFileSystem, root: str, manifest_raw: bytes) -> str:

@@ -26,8 +26,7 @@ from visionrl.models.sequences import (
     MicroBatch,
     PackedSegments,
     Sequence,
-    completion_tensors,
-    gather_images,
+    micro_batch,
     sequence_tokens,
 )
 
@@ -66,25 +65,9 @@ def collate_packed(
     )
     grids = [prompts[s.prompt].image_grid_thw for s in chosen]
     images = [0 if g is None else len(g) for g in grids]
-    comp, comp_mask, samp = completion_tensors(chosen, pad_id)
-    pixel_values, grid_thw, share = gather_images(prompts, chosen, share_images, merge_size)
-    return MicroBatch(
-        input_ids=input_ids,
-        attention_mask=attention,
-        mm_token_type_ids=mm_types,
-        pixel_values=pixel_values,
-        image_grid_thw=grid_thw,
-        completion_ids=comp,
-        completion_mask=comp_mask,
-        advantages=torch.tensor([s.advantage for s in chosen], dtype=torch.float32),
-        sampling_logprobs=samp,
-        starts=starts,
-        rows=list(rows),
-        num_tokens=int(comp_mask.sum()),
-        sequence_tokens=real,
-        image_share=share,
-        segments=PackedSegments(bounds=bounds, images=images + [0] * (len(bounds) - 1 - len(chosen))),
-    )
+    segments = PackedSegments(bounds=bounds, images=images + [0] * (len(bounds) - 1 - len(chosen)))
+    return micro_batch(prompts, chosen, rows, pad_id, (input_ids, attention, mm_types, starts),
+                       share_images=share_images, merge_size=merge_size, segments=segments)  # fmt: skip
 
 
 def packed_position_ids(rope_index: RopeIndex, mb: MicroBatch) -> torch.Tensor:

@@ -226,6 +226,24 @@ def collate(
         mm_types[b, : len(ids)] = mm
         attention[b, : len(ids)] = 1
         starts[b] = len(prompts[s.prompt].input_ids)
+    return micro_batch(prompts, chosen, rows, pad_id, (input_ids, attention, mm_types, starts),
+                       share_images=share_images, merge_size=merge_size)  # fmt: skip
+
+
+def micro_batch(
+    prompts: list[EncodedPrompt],
+    chosen: list[Sequence],
+    rows: list[int],
+    pad_id: int,
+    layout: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    *,
+    share_images: bool,
+    merge_size: int,
+    segments: PackedSegments | None = None,
+) -> MicroBatch:
+    """The MicroBatch of `chosen` (the sequences `rows`) laid out as `layout` (input ids, attention mask, token
+    types, completion starts: padded rows or a packed row), with their completions, advantages and images."""
+    input_ids, attention, mm_types, starts = layout
     comp, comp_mask, samp = completion_tensors(chosen, pad_id)
     pixel_values, grid_thw, share = gather_images(prompts, chosen, share_images, merge_size)
     return MicroBatch(
@@ -243,4 +261,5 @@ def collate(
         num_tokens=int(comp_mask.sum()),
         sequence_tokens=int(attention.sum()),
         image_share=share,
+        segments=segments,
     )

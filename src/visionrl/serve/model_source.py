@@ -20,6 +20,7 @@ from typing import Any
 
 from visionrl.adapter.storage import filesystem, is_local, object_store_errors
 from visionrl.errors import InputError
+from visionrl.files import cache_dir
 from visionrl.models.loader import check_model_dir
 
 LISTING_NAME = ".visionrl-listing.json"
@@ -28,10 +29,7 @@ CACHE_ENV = "VISIONRL_MODEL_CACHE"
 
 def default_model_cache() -> Path:
     """$VISIONRL_MODEL_CACHE, else $XDG_CACHE_HOME/visionrl/models, else ~/.cache/visionrl/models."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]).expanduser()
-    cache_home = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(cache_home) / "visionrl" / "models"
+    return cache_dir("models", CACHE_ENV)
 
 
 def _listing(fs: Any, root: str) -> dict[str, dict[str, Any]]:
