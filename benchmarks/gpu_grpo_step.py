@@ -306,9 +306,9 @@ def run_visionrl(
     )
     log = work / f"lengths-{label.replace(' ', '-')}.txt"
     saved = dict(os.environ)
-    if lengths == "spread":
-        import length_spread
+    import length_spread  # vLLM's logits processor interface: this benchmark runs vLLM anyway
 
+    if lengths == "spread":
         log.unlink(missing_ok=True)
         os.environ.update(
             length_spread.spread_environment(model, log)
@@ -328,8 +328,6 @@ def run_visionrl(
     row["overrides"] = list(extra)
     row["lengths"] = lengths
     if lengths == "spread":
-        import length_spread
-
         row["length_histogram"] = length_spread.histogram(
             length_spread.read_lengths(log), int(size.split("x")[2])
         )

@@ -286,8 +286,7 @@ def _cmd_deploy(args: argparse.Namespace) -> int:
         adapters=adapters, instance_type=args.instance_type, instance_count=args.instance_count,
         environment=_pairs(args.env, "--env"), startup_timeout_s=args.startup_timeout, adapter_root=args.adapter_root,
     )  # fmt: skip
-    spec.check()
-    sagemaker.deploy(spec, client=sagemaker.sagemaker_client(args.region), wait=not args.no_wait)
+    sagemaker.deploy(spec, region=args.region, wait=not args.no_wait)
     print(sagemaker.invoke_hint(args.name, list(adapters)))
     return 0
 

@@ -129,16 +129,18 @@ def _old_parts(client: Any, endpoint: Mapping[str, Any]) -> tuple[str, list[str]
     return config, [str(v["ModelName"]) for v in variants]
 
 
-def deploy(spec: EndpointSpec, *, client: Any = None, wait: bool = True, poll_s: float = POLL_S,
-           wait_s: float = WAIT_S, say: Callable[[str], None] = print, stamp: str | None = None) -> dict[str, Any]:  # fmt: skip
+def deploy(spec: EndpointSpec, *, client: Any = None, region: str | None = None, wait: bool = True,
+           poll_s: float = POLL_S, wait_s: float = WAIT_S, say: Callable[[str], None] = print,
+           stamp: str | None = None) -> dict[str, Any]:  # fmt: skip
     """Create or update the endpoint of `spec`; with `wait`, return once it is in service (RunError with
-    SageMaker's reason if it fails). Returns the final describe_endpoint."""
+    SageMaker's reason if it fails). Returns the final describe_endpoint. The spec and the adapters are checked
+    before a client (`client`, else one for `region`) is made."""
     spec.check()
     for name, src in spec.adapters.items():
         verify_adapter(src)  # ExportError names the bad file
         say(f"adapter {name}: {src} matches its manifest")
     with aws_errors(f"deploying endpoint {spec.name}"):
-        return _deploy(spec, client or sagemaker_client(), wait, poll_s, wait_s, say, stamp)
+        return _deploy(spec, client or sagemaker_client(region), wait, poll_s, wait_s, say, stamp)
 
 
 def _deploy(spec: EndpointSpec, client: Any, wait: bool, poll_s: float, wait_s: float, say: Callable[[str], None],

@@ -72,6 +72,14 @@ def openai_asker(
         client.close()
 
 
+def greedy_options(max_tokens: int, forbidden_token_ids: Sequence[int] = ()) -> dict[str, Any]:
+    """A greedy chat request's options; the forbidden tokens (vision tokens) get a logit bias of -100."""
+    options: dict[str, Any] = {"temperature": 0.0, "max_tokens": max_tokens}
+    if forbidden_token_ids:
+        options["logit_bias"] = {str(t): FORBIDDEN_BIAS for t in forbidden_token_ids}
+    return options
+
+
 def request_answers(
     ask: Ask,
     model: str,
@@ -85,9 +93,7 @@ def request_answers(
     flight at once. `forbidden_token_ids` get a logit bias of -100, as local evaluation forbids vision tokens."""
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
-    options: dict[str, Any] = {"temperature": 0.0, "max_tokens": max_tokens}
-    if forbidden_token_ids:
-        options["logit_bias"] = {str(t): FORBIDDEN_BIAS for t in forbidden_token_ids}
+    options = greedy_options(max_tokens, forbidden_token_ids)
     with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="eval-request") as pool:
         return list(pool.map(lambda messages: ask(model, messages, options), requests))
 
@@ -195,10 +201,7 @@ def _answerer(
     from visionrl.data.prompts import prompt_messages
 
     if env is not None:
-        options: dict[str, Any] = {"temperature": 0.0, "max_tokens": max_tokens}
-        if forbidden:
-            options["logit_bias"] = {str(t): FORBIDDEN_BIAS for t in forbidden}
-        player = EndpointEpisodes(env, ask, model, options=options, fit=fit)
+        player = EndpointEpisodes(env, ask, model, options=greedy_options(max_tokens, forbidden), fit=fit)
         return partial(player.answers, prompts, concurrency, episodes, prompt_key)
     requests = [chat_messages(prompt_messages(s), p.images) for s, p in zip(samples, prompts, strict=True)]
     return partial(request_answers, ask, model, requests, max_tokens=max_tokens, concurrency=concurrency,
