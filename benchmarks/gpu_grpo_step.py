@@ -12,7 +12,10 @@ Reported per size (benchmarks/results/gpu_grpo_step.json, and a table):
 - learner_tokens_per_s: the same tokens / update time; learner_mfu: 6 x parameters x those tokens / update time
   / 989 TFLOP/s (H200 dense bf16, datasheet; recompute and the old-log-prob pass are not counted as useful);
 - rollout_generated_tokens_per_s; weights_gib; peak GPU memory of the learner and the engine processes and of
-  the whole device (sampled with nvidia-smi every 0.5 s).
+  the whole device (sampled with nvidia-smi every 0.5 s);
+- start-up: `train` called to step 1's start (`startup_s`; of it the actors' start, model loads and vLLM's
+  compile, and the delivery check) and to the end of step 1 (`start_to_step1_end_s`). A second size or length in
+  one call starts with the compile caches of the first (vLLM's, Inductor's): a warm start.
 
 TRL's GRPOTrainer on the same checkpoint, data and sizes (`--trl 64x8x512`; benchmarks/trl_grpo_step.py says what
 is matched) runs after visionrl in its own process; its figures land in `trl` and, per size, in visionrl's row
@@ -177,7 +180,15 @@ def measure(
             "device": memory.device_peak,
         },
         "logprob_diff": mean("rollout/logprob_diff"),
+        **startup(history[0]),
     }
+
+
+def startup(first: dict[str, float]) -> dict[str, float]:
+    """The run's start-up, from its first step's metrics: `train` called to step 1's start, its parts (the
+    actors started: model loads and vLLM's compile; the delivery check), and to the end of step 1."""
+    out = {k: first.get(f"timing/{k}", 0.0) for k in ("startup_s", "start_actors_s", "delivery_check_s")}
+    return out | {"start_to_step1_end_s": out["startup_s"] + first.get("timing/step_s", 0.0)}
 
 
 def versions() -> dict[str, str]:

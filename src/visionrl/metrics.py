@@ -67,11 +67,15 @@ TIMING_REWARD = "timing/reward_s"
 TIMING_UPDATE = "timing/update_s"
 TIMING_SYNC = "timing/sync_s"
 TIMING_SYNC_LOAD = "timing/sync_load_s"  # part of sync_s: the adapter to every engine, loaded there
-TIMING_SYNC_CHECK = (
-    "timing/sync_check_s"  # part of sync_s: each engine's fingerprint under it, learner-scored
-)
+# part of sync_s: each engine's fingerprint under it, learner-scored
+TIMING_SYNC_CHECK = "timing/sync_check_s"
 TIMING_STEP = "timing/step_s"
 TIMING_JUDGE = "timing/judge_s"  # part of timing/reward_s: the judges' batches
+# start-up, logged with a run's first step: from `train` to that step's start, and two of its parts: the actors
+# started (the learner and engines load the model, vLLM compiles) and the check that the adapter reaches them
+TIMING_STARTUP = "timing/startup_s"
+TIMING_START_ACTORS = "timing/start_actors_s"
+TIMING_DELIVERY_CHECK = "timing/delivery_check_s"
 TIMING_PHASES: tuple[str, ...] = (TIMING_ROLLOUT, TIMING_REWARD, TIMING_UPDATE, TIMING_SYNC, TIMING_STEP)
 THROUGHPUT = "throughput/tokens_per_s"
 EVAL_ACCURACY = "eval/accuracy"
@@ -83,9 +87,8 @@ ADAPTER_VERSION = "rollout/adapter_version"
 # 0 synchronous, 1 with rollout.async_steps=1
 STALENESS = "rollout/staleness"
 TIMING_ROLLOUT_WAIT = "timing/rollout_wait_s"  # async: waiting after the update for the next batch's rollouts
-GROUPS_WITH_SIGNAL = (
-    "rollout/groups_with_signal"  # share of groups whose rewards differ (1 - zero_std_fraction)
-)
+# share of groups whose rewards differ (1 - zero_std_fraction)
+GROUPS_WITH_SIGNAL = "rollout/groups_with_signal"
 GROUPS_KEPT = "rollout/groups_kept"  # groups left after dynamic sampling drops zero-signal ones
 SAMPLING_ROUNDS = "rollout/sampling_rounds"  # prompt batches sampled this step (dynamic sampling)
 SKIPPED_PROMPTS = "rollout/skipped_prompts"  # prompts the engine rejected this step (left out, not the batch)
@@ -96,9 +99,8 @@ LEARNER_FILLER_PASSES = "learner/filler_passes"
 # train.compile: graphs Dynamo has compiled so far; a rise after the first steps is a recompilation
 LEARNER_COMPILED_GRAPHS = "learner/compiled_graphs"
 LEARNER_TOKENS = "learner/tokens"
-LEARNER_SEQUENCE_TOKENS = (
-    "learner/sequence_tokens"  # prompt (image tokens included) + completion tokens trained on
-)
+# prompt (image tokens included) + completion tokens trained on
+LEARNER_SEQUENCE_TOKENS = "learner/sequence_tokens"
 LEARNER_OLD_LOGPROB_S = "learner/old_logprob_s"  # the no-grad pass for mini-batches after the first
 LEARNER_REF_LOGPROB_S = "learner/ref_logprob_s"  # the no-grad reference (adapter off) pass, with kl_coef > 0
 LEARNER_RANKS = "learner/ranks"  # learner ranks the step was split over (ray.num_learners)
@@ -113,9 +115,8 @@ CORRECTION_CLIPPED = "rollout/correction_clipped_fraction"  # share of tokens tr
 MISMATCH_KL = "rollout/mismatch_kl"  # KL estimate between the engine's and the learner's token distributions
 ENGINE_SLEEP = "timing/engine_sleep_s"  # rollout.sleep_during_update: putting the engines to sleep
 ENGINE_WAKE = "timing/engine_wake_s"  # ... and waking them before the sync
-ACTOR_RESTARTS = (
-    "faults/actor_restarts"  # engines and reward workers restarted so far in the run, resumes included
-)
+# engines and reward workers restarted so far in the run, resumes included
+ACTOR_RESTARTS = "faults/actor_restarts"
 SKIPPED_UPDATES = "faults/skipped_updates"  # learner updates not applied: non-finite loss or gradient
 DATA_SKIPPED_AT_LOAD = "data/skipped_at_load"  # training records dropped for a bad image when the data loaded
 DATA_SKIPPED_MIDRUN = "data/skipped_midrun"  # records whose image failed to decode during the run, so far
@@ -126,15 +127,12 @@ EPISODE_PREFIX = "episode/"
 EPISODE_TURNS = "episode/turns_mean"  # model turns per episode
 EPISODE_ENV_REWARD = "episode/env_reward_mean"  # the environment's step rewards summed per episode
 EPISODE_IMAGES = "episode/images_mean"  # images per episode, the prompt's included
-EPISODE_ENV_TOKENS = (
-    "episode/env_token_fraction"  # share of an episode's tokens the environment wrote (not trained)
-)
-EPISODE_REPLAY_MISMATCHES = (
-    "episode/replay_mismatches"  # episodes whose one-piece re-render differs from the tokens
-)
-EPISODE_ENDED_PREFIX = (
-    "episode/ended_"  # + why: done, max_turns, truncated, error, timeout, too_long, max_images
-)
+# share of an episode's tokens the environment wrote (not trained)
+EPISODE_ENV_TOKENS = "episode/env_token_fraction"
+# episodes whose one-piece re-render differs from the tokens
+EPISODE_REPLAY_MISMATCHES = "episode/replay_mismatches"
+# + why: done, max_turns, truncated, error, timeout, too_long, max_images
+EPISODE_ENDED_PREFIX = "episode/ended_"
 TIMING_ENV = "timing/env_s"  # part of timing/rollout_s: the environments' steps (summed over engine lanes)
 
 SAMPLES_PREFIX = "samples/"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +122,7 @@ def test_two_steps_through_ray_write_the_tensorboard_tags_and_resume(
     }  # 4 x 8 a step
     small["logging"] = {"trackers": ["tensorboard", "mlflow", "wandb"]}  # the same tags in each
     cfg = _cfg(tiny_model, color_data, tmp_path / "run", **small)
+    started = time.perf_counter()
     result = train(cfg)
     # A quiet console: the libraries' output (vLLM's warnings and bars, the actors' stderr) is in libraries.log
     console = capfd.readouterr()
@@ -130,6 +132,11 @@ def test_two_steps_through_ray_write_the_tensorboard_tags_and_resume(
     assert "WARNING" in libraries and "vllm" in libraries.lower()  # vLLM's own warnings went there
     assert "WARNING" not in (tmp_path / "run" / "visionrl.log").read_text().replace("WARNING visionrl", "")
     assert result.steps == 2 and [h["step"] for h in result.history] == [1, 2]
+    # the start-up, with the first step only: its two parts within it, the whole within the run's wall time
+    first = result.history[0]
+    parts = first["timing/start_actors_s"] + first["timing/delivery_check_s"]
+    assert 0 < parts <= first["timing/startup_s"] < time.perf_counter() - started
+    assert not any(k in result.history[1] for k in ("timing/startup_s", "timing/start_actors_s"))
     tags = read_tags(tmp_path / "run" / "tensorboard")
     scalars = read_scalars(tmp_path / "run" / "tensorboard")
     missing = [t for t in REQUIRED_SCALARS if t not in scalars]

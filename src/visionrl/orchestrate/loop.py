@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -84,6 +85,7 @@ def train(cfg: JobConfig, resume: ResumeMode | None = None) -> TrainResult:
     """Run the job (`resume`, when given, overrides `cfg.resume`). A dead or stuck actor that cannot be
     restarted raises RunError naming it and the newest checkpoint; SIGTERM/SIGINT checkpoint the last
     completed step and raise Preempted."""
+    called_at = time.perf_counter()  # the start-up's clock (timing/startup_s, logged with the first step)
     run = RunDir.of(cfg.output_dir)
     mode = cfg.resume if resume is None else resume
     ckpt = checkpoint_to_resume(cfg, run, mode)  # refuses before anything starts
@@ -107,7 +109,7 @@ def train(cfg: JobConfig, resume: ResumeMode | None = None) -> TrainResult:
             with ray_session(cfg.ray) as session, stop_on_signals():
                 logger.debug("ray session: %s", session)
                 check_gpu_requests(cfg, session["mode"])  # before any actor waits for a GPU that never comes
-                return _train(cfg, run, ckpt, prompts_in)
+                return _train(cfg, run, ckpt, prompts_in, called_at)
         except ActorProblem as problem:
             raise run_error(problem, run.root) from problem
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as err:
@@ -116,15 +118,18 @@ def train(cfg: JobConfig, resume: ResumeMode | None = None) -> TrainResult:
             remove_orphaned_scratch()  # engines killed with the run could not remove their adapter copies
 
 
-def _train(cfg: JobConfig, run: RunDir, ckpt: Path | None, prompts_in: PromptStream) -> TrainResult:
+def _train(
+    cfg: JobConfig, run: RunDir, ckpt: Path | None, prompts_in: PromptStream, called_at: float
+) -> TrainResult:
     # rollout.async_steps: the next step's batch, collected while the learner trains (orchestrate.pipeline)
     with console.children_to_log():  # W&B's service process writes to the libraries' log
         trackers = open_trackers(cfg, run, resumed=ckpt is not None)
     with trackers as tb, Prefetch[Collected]() as prefetch:
-        workers = _start_workers(cfg, run, prompts_in)
+        workers, startup = _start_workers(cfg, run, prompts_in)
         try:
             resumed = _resume(cfg, run, ckpt, prompts_in, tb, workers)
             loop = Loop(cfg, run, prompts_in, workers, tb, prefetch, resumed)
+            loop.startup = Startup(called_at, startup)
             for step in range(resumed + 1, cfg.train.steps + 1):
                 first = step == resumed + 1
                 what = f"step {step}, the first of this run (the engines' kernels warm up)"
@@ -140,17 +145,20 @@ def _train(cfg: JobConfig, run: RunDir, ckpt: Path | None, prompts_in: PromptStr
             raise
 
 
-def _start_workers(cfg: JobConfig, run: RunDir, prompts_in: PromptStream) -> Workers:
+def _start_workers(cfg: JobConfig, run: RunDir, prompts_in: PromptStream) -> tuple[Workers, dict[str, float]]:
     """The actors started (`start_actors` stops those it started if one fails), and the adapter seen to reach
-    the engines."""
+    the engines; with the seconds each took (start-up metrics)."""
+    t = time.perf_counter()
     try:
         with console.phase(_starting(cfg)):
             workers = Workers(*start_actors(cfg), cfg)
     except Preempted as early_stop:  # stopped while starting: nothing new to save
         raise stopped(early_stop, run.root, None) from None
+    started, t = time.perf_counter() - t, time.perf_counter()
     try:
         with console.phase("checking that the adapter reaches the engines", "verified"):
             workers.verify_delivery(prompts_in.probe_prompts())  # a non-zero adapter must change their output
+        seconds = {tags.TIMING_START_ACTORS: started, tags.TIMING_DELIVERY_CHECK: time.perf_counter() - t}
         if judge_entries(cfg):
             with console.phase("starting the judges"):
                 workers.attach_judges(prompts_in.processor)  # a job's `judge` rewards, their actors started
@@ -162,7 +170,7 @@ def _start_workers(cfg: JobConfig, run: RunDir, prompts_in: PromptStream) -> Wor
         if isinstance(err, Preempted):
             raise stopped(err, run.root, None) from None
         raise
-    return workers
+    return workers, seconds
 
 
 def _starting(cfg: JobConfig) -> str:
@@ -189,6 +197,17 @@ def _resume(
     history_file.trim(run.history, resumed)  # steps after the checkpoint will be run again
     tb.purge_from(resumed + 1)  # ... and shown once in TensorBoard (a fresh run: none of an earlier one)
     return resumed
+
+
+@dataclass
+class Startup:
+    """When `train` was called, and the seconds of the start-up's parts: logged with the run's first step."""
+
+    called_at: float
+    parts: dict[str, float]
+
+    def metrics(self) -> dict[str, float]:
+        return {tags.TIMING_STARTUP: time.perf_counter() - self.called_at, **self.parts}
 
 
 class Loop:
@@ -224,10 +243,12 @@ class Loop:
             evaluations_so_far(run.history, cfg.train.target_accuracy) if resumed else (None, 0)
         )
         self.history: list[dict[str, Any]] = []
+        self.startup: Startup | None = None  # set by `train`; logged with the first step, then None
 
     def step(self, step: int) -> bool:
         """One GRPO step, phases in order; True when the run should stop (two evaluations at the target)."""
         cfg, G, clock = self.cfg, self.G, self.clock
+        startup, self.startup = (self.startup.metrics() if self.startup else {}), None
         clock.start()
         got = self._collected(step)  # 1-3. sample prompts, roll out group_size completions each, reward them
         self._prefetch_next(step)  # async: step + 1's batch, sampled during this update with the adapter held
@@ -245,7 +266,7 @@ class Loop:
             synced = self.workers.sync_adapter() if stats else None
         if synced:  # each engine's fingerprint under the version just synced
             self.fingerprints.check(step, synced.version, synced.fingerprint_diffs)
-        m = self._metrics(got, stats, shaping, synced)
+        m = {**self._metrics(got, stats, shaping, synced), **startup}
         self.health.after_step(step, stats, got.scores)  # stops a run that trains on nothing
         return self._log_evaluate_save(step, got, m)  # 7. log, maybe evaluate, maybe checkpoint
 
