@@ -150,8 +150,8 @@ def configure(learner, variant: dict[str, Any]) -> None:
         learner.packed_kernel = setup_packed_attention(base, variant["kernel"], attn)
     if "ckpt" in variant:
         n = variant["ckpt"]
-        if n == "half":
-            n = len(learner.model.get_base_model().model.language_model.layers) // 2
+        layers = len(learner.model.get_base_model().model.language_model.layers)
+        n = {"half": layers // 2, "all": layers}.get(n, n)
         if n == 0:
             learner.model.gradient_checkpointing_disable()
         else:
@@ -254,11 +254,19 @@ def main() -> None:
     )
     p.add_argument("--compile-layers", action="store_true", help="--packing-levers with train.compile")
     p.add_argument(
+        "--lean",
+        action="store_true",
+        help="--packing-levers at the job file's 80 GB setting (every layer recomputed, micro-batch 4096) "
+        "instead of the shipped one (no recompute, micro-batch 8192)",
+    )
+    p.add_argument(
         "--attn",
         default="sdpa",
         help="model.attn_implementation of the learner (sdpa, eager, flash_attention_2)",
     )
     args = p.parse_args()
+    if args.smoke:  # the script's path on small shapes (the 8B batch's logits would fill the CPU's memory)
+        args.prompts, args.group, args.new_tokens, args.image_size = 2, 4, 64, 64
     if args.layout_only:
         layout_rows(args)
         return
@@ -486,6 +494,15 @@ def packing_rows(args: argparse.Namespace) -> None:
     from visionrl.models.packed_attention import flex_missing
 
     levers = [dict(v) for v in PACKING_LEVERS if v.get("kernel") != "flex" or flex_missing() is None]
+    if args.lean:  # the 80 GB card's setting (the job file's header)
+        first = levers[0]
+        name = first["name"].replace("no recompute, micro-batch 8192", "80 GB: recompute, micro-batch 4096")
+        levers[0] = {
+            **first,
+            "name": name,
+            "ckpt": "all",
+            "train": {**first["train"], "micro_batch_tokens": 4096},
+        }
     if args.compile_layers:
         levers = [{**levers[0], "compile": True}] + [{**v, "warmup": True} for v in levers[1:]]
     args.packing = True  # the learner starts packed: the registered attention is installed (then switched)
