@@ -94,6 +94,7 @@ def test_production_job_file_describes_the_8b_job() -> None:
         cfg.train.micro_batch_tokens == 8192 and cfg.train.logit_chunk_tokens > 0 and cfg.train.share_images
     )
     assert cfg.train.compile and cfg.rollout.sleep_during_update
+    assert cfg.train.packing == "auto" and cfg.train.packed_attention == "auto"  # packed rows on the GPU
     # the clipped ratio is taken against the engine's log-probs, so no second correction on top of it
     assert cfg.algorithm.old_logprobs == "engine" and cfg.algorithm.rollout_correction == "off"
     assert (cfg.lora.rank, cfg.lora.alpha) == (64, 128)
@@ -698,3 +699,16 @@ def test_vllm_engine_args_pass_through_but_not_what_visionrl_sets() -> None:
     )
     assert "rollout.vllm_engine_args sets what visionrl sets itself" in msg
     assert "dtype (set model.dtype), max_model_len (set rollout.max_model_len)" in msg
+
+
+def test_the_production_headers_80gb_setting_is_a_valid_job() -> None:
+    """The header's overrides for an 80 GB GPU load, as written, into the job it describes."""
+    header = " ".join(
+        line.lstrip("#").strip() for line in Path(PRODUCTION).read_text().splitlines() if line.startswith("#")
+    )
+    setting = header.split("On an 80 GB H100 set ", 1)[1].split(" (measured", 1)[0]
+    overrides = setting.split()
+    assert overrides and all("=" in o for o in overrides), setting
+    cfg = load_config(PRODUCTION, overrides)
+    assert cfg.model.gradient_checkpointing and cfg.model.checkpoint_layers == 18
+    assert cfg.train.micro_batch_tokens == 4096 and cfg.rollout.gpu_memory_utilization == 0.35

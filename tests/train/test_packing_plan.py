@@ -32,3 +32,23 @@ def test_every_sequence_is_placed_once_and_rows_hold_the_budget() -> None:
 def test_a_sequence_over_the_budget_gets_a_row_of_its_own() -> None:
     assert plan_packed_rows([50, 3, 200, 4], token_budget=64) == [[2], [0, 3, 1]]
     assert plan_packed_rows([], token_budget=64) == []
+
+
+def test_packing_auto_packs_on_a_gpu_and_pads_on_the_cpu() -> None:
+    from visionrl.config import config_from_dict
+    from visionrl.train.batching import with_packing_resolved
+
+    raw = {
+        "output_dir": "x",
+        "model": {"path": "m"},
+        "data": {"train": "t.jsonl"},
+        "rewards": [{"name": "format"}],
+    }
+    auto = config_from_dict(raw)
+    assert auto.train.packing == "auto"  # the default
+    assert with_packing_resolved(auto, "cuda").train.packing is True
+    assert with_packing_resolved(auto, "cpu").train.packing is False
+    assert auto.train.packing == "auto"  # the job itself is left as written
+    for chosen in (True, False):  # an explicit choice holds on either device
+        cfg = config_from_dict({**raw, "train": {"packing": chosen}})
+        assert [with_packing_resolved(cfg, d).train.packing for d in ("cuda", "cpu")] == [chosen, chosen]

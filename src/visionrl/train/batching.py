@@ -4,6 +4,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from visionrl.config import JobConfig
+
 # Default token budget of the no-gradient passes (`train.logprob_batch_tokens`): no activations are kept, so they
 # take larger micro-batches than training; measured on the H200 in benchmarks/NOTES-gpu-learner.md.
 NO_GRAD_BATCH_TOKENS = 16384
@@ -52,3 +57,12 @@ def plan_packed_rows(lengths: list[int], token_budget: int) -> list[list[int]]:
             rows[fit].append(i)
             room[fit] -= n
     return rows
+
+
+def with_packing_resolved(cfg: JobConfig, device_type: str) -> JobConfig:
+    """`cfg` with `train.packing: auto` decided for a learner on `device_type`: packed rows on a GPU (where a
+    varlen kernel keeps spread completion lengths at the equal-length speed), padded rows on the CPU."""
+    if cfg.train.packing != "auto":
+        return cfg
+    train = cfg.train.model_copy(update={"packing": device_type == "cuda"})
+    return cfg.model_copy(update={"train": train})

@@ -42,7 +42,12 @@ from visionrl.models.packed_attention import packed_attention_kwargs, setup_pack
 from visionrl.models.packing import collate_packed, packed_position_ids
 from visionrl.models.sequences import EncodedPrompt, MicroBatch, Sequence, collate, without_tokens
 from visionrl.train import learner_state
-from visionrl.train.batching import NO_GRAD_BATCH_TOKENS, plan_micro_batches, plan_packed_rows
+from visionrl.train.batching import (
+    NO_GRAD_BATCH_TOKENS,
+    plan_micro_batches,
+    plan_packed_rows,
+    with_packing_resolved,
+)
 from visionrl.train.encoding import encode_prompts, episodes_expanded
 from visionrl.train.forward import SharedImages, compile_decoder_layers, compiled_graphs, completion_stats
 from visionrl.train.masking import loss_tokens, masks_before_update, with_correction_masks
@@ -75,11 +80,11 @@ class TrainBatch:
 
 class Learner:
     def __init__(self, cfg: JobConfig, device: str | None = None, ranks: RankGroup | None = None) -> None:
-        self.cfg = cfg
         self.ranks = ranks or RankGroup()  # data-parallel learner ranks (train.ranks); one by default
         if cfg.train.torch_threads:
             torch.set_num_threads(cfg.train.torch_threads)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.cfg = cfg = with_packing_resolved(cfg, self.device.type)  # train.packing: auto, decided here
         self.processor = load_processor(cfg.model.path, ImageBudget.of(cfg.data))
         base = load_base_model(cfg.model.path, cfg.model.dtype, self.device, cfg.model.attn_implementation)
         self.model = apply_lora(base, cfg.lora, seed=cfg.train.seed)
