@@ -190,7 +190,7 @@ class TrainConfig(Section):
         description="Padding-free micro-batches: sequences end to end in rows of at most micro_batch_tokens "
         "(logprob_batch_tokens for the no-gradient passes), each with its own M-RoPE positions and attention "
         "that stays inside it (models.packing); the same log-probs as padded rows, without computing padding. "
-        "auto: packed on a GPU, padded on the CPU (docs/PERFORMANCE.md: packed rows keep spread lengths at "
+        "auto: packed on a GPU, padded on the CPU (the README's Performance section: packed rows keep spread lengths at "
         "the equal-length speed).",
     )
     packed_attention: Literal["auto", "sdpa_mask", "varlen", "flex"] = Field(
