@@ -42,6 +42,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lengths import histogram, read_lengths
+
 H200_BF16_FLOPS = 989e12
 JOB = "configs/qwen3vl_8b_grpo_lora.yaml"
 
@@ -339,9 +341,7 @@ def run_visionrl(
     row["overrides"] = list(extra)
     row["lengths"] = lengths
     if lengths == "spread":
-        row["length_histogram"] = length_spread.histogram(
-            length_spread.read_lengths(log), int(size.split("x")[2])
-        )
+        row["length_histogram"] = histogram(read_lengths(log), int(size.split("x")[2]))
     print(json.dumps(row), flush=True)
     return row
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lengths import histogram, histogram_line
 
 from visionrl.models.shaped import SMALL_TEXT as SMOKE_TEXT
 from visionrl.models.shaped import SMALL_VISION as SMOKE_VISION
@@ -124,17 +125,9 @@ def make_batch(learner, args: argparse.Namespace, spread: bool):
     return TrainBatch(prompts, seqs)
 
 
-def length_histogram(batch, new_tokens: int, bins: int = 8) -> list[int]:
-    """How many completions fall in each of `bins` equal slices of [0, T] (the last one includes T)."""
-    counts = [0] * bins
-    for s in batch.sequences:
-        counts[min(len(s.completion_ids) * bins // new_tokens, bins - 1)] += 1
-    return counts
-
-
-def histogram_line(counts: list[int], new_tokens: int) -> str:
-    width = new_tokens // len(counts)
-    return "  ".join(f"{i * width}-{(i + 1) * width}: {c}" for i, c in enumerate(counts))
+def length_histogram(batch, new_tokens: int) -> list[dict[str, int]]:
+    """The batch's completion lengths in eight equal bins of [1, T] (lengths.histogram, as the loop's rows)."""
+    return histogram([len(s.completion_ids) for s in batch.sequences], new_tokens)
 
 
 def configure(learner, variant: dict[str, Any]) -> None:
@@ -306,9 +299,7 @@ def main() -> None:
             spread = make_batch(learner, args, spread=True)
             r = timed_step(learner, spread)
             rows.append({"variant": "last variant, completion lengths spread over [T/8, T]", **r})
-            print(
-                f"spread lengths: {histogram_line(length_histogram(spread, args.new_tokens), args.new_tokens)}"
-            )
+            print(f"spread lengths: {histogram_line(length_histogram(spread, args.new_tokens))}")
         vision = vision_tower(learner, args, 64)
         weights_gib = sum(t.numel() * t.element_size() for t in learner.model.parameters()) / 2**30
     result = {
@@ -406,7 +397,7 @@ def lever_rows(args: argparse.Namespace, variants: list[dict[str, Any]]) -> list
                     kernel=kernel_of(learner),
                 )
                 print(json.dumps(rows[-1]), flush=True)
-    print_lever_table(rows, args.new_tokens)
+    print_lever_table(rows)
     return rows
 
 
@@ -415,14 +406,14 @@ def kernel_of(learner) -> str:
     return learner.packed_kernel if learner.cfg.train.packing else "padded"
 
 
-def print_lever_table(rows: list[dict[str, Any]], new_tokens: int) -> None:
+def print_lever_table(rows: list[dict[str, Any]]) -> None:
     """The rows as a table, each with the histogram of its completion lengths (T/8-wide bins)."""
     print(f"\n{'variant':<90}{'s':>8}{'tok/s':>9}{'old-lp s':>10}{'GiB':>7}  completion lengths")
     for r in rows:
         if "error" in r:
             print(f"{r['variant']:<90} {r['error']}")
             continue
-        hist = histogram_line(r["length_histogram"], new_tokens) if "length_histogram" in r else ""
+        hist = histogram_line(r["length_histogram"]) if "length_histogram" in r else ""
         print(
             f"{r['variant']:<90}{r['step_s']:8.2f}{r['tokens_per_s']:9.0f}{r['old_logprob_s']:10.2f}"
             f"{r['peak_mem_gib']:7.1f}  {hist}"

@@ -21,14 +21,10 @@ import random
 from typing import Any
 
 import torch
+from lengths import draw_length
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
 EOS_ENV, SEED_ENV, LOG_ENV = "SPREAD_EOS", "SPREAD_SEED", "SPREAD_LOG"
-
-
-def draw_length(rng: random.Random, max_tokens: int) -> int:
-    """A length uniform in [max(1, T // 8), T]."""
-    return rng.randint(max(1, max_tokens // 8), max_tokens)
 
 
 class SpreadLengths(LogitsProcessor):
@@ -97,23 +93,3 @@ def use_in_vllm() -> None:
         original(self, *args, **kwargs)
 
     vllm.LLM.__init__ = init  # type: ignore[method-assign]
-
-
-def read_lengths(log: Any) -> list[int]:
-    try:
-        with open(log, encoding="utf-8") as f:
-            return [int(line) for line in f if line.strip()]
-    except FileNotFoundError:
-        return []
-
-
-def histogram(lengths: list[int], max_tokens: int, bins: int = 8) -> list[dict[str, int]]:
-    """Counts of `lengths` in `bins` equal bins of [0, max_tokens]."""
-    width = max(1, -(-max_tokens // bins))
-    counts = [0] * bins
-    for n in lengths:
-        counts[min(bins - 1, max(0, (n - 1) // width))] += 1
-    return [
-        {"from": i * width + 1, "to": min(max_tokens, (i + 1) * width), "count": c}
-        for i, c in enumerate(counts)
-    ]

@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lengths import histogram, read_lengths
+
 JOB = "configs/qwen3vl_8b_grpo_lora.yaml"
 
 
@@ -276,7 +278,7 @@ def main() -> None:
         import length_spread
 
         tokens = int(a.size.split("x")[2])
-        row["length_histogram"] = length_spread.histogram(length_spread.read_lengths(log), tokens)
+        row["length_histogram"] = histogram(read_lengths(log), tokens)
     row["trl_peak_mem_gib"] = memory.device_peak
     row["trl_peak_mem_per_process_gib"] = {k: round(v, 2) for k, v in memory.per_process.items()}
     a.json.write_text(json.dumps(row, indent=2) + "\n")
