@@ -13,6 +13,8 @@ Reported per size (benchmarks/results/gpu_grpo_step.json, and a table):
   / 989 TFLOP/s (H200 dense bf16, datasheet; recompute and the old-log-prob pass are not counted as useful);
 - rollout_generated_tokens_per_s; weights_gib; peak GPU memory of the learner and the engine processes and of
   the whole device (sampled with nvidia-smi every 0.5 s);
+- the sync's profile (`sync_parts_s`): sync_load_s split into the learner's build of the adapter, its way to the
+  engine, the files written, vLLM's add_lora, the old version removed and the caches reset;
 - start-up: `train` called to step 1's start (`startup_s`; of it the actors' start, model loads and vLLM's
   compile, and the delivery check) and to the end of step 1 (`start_to_step1_end_s`). A second size or length in
   one call starts with the compile caches of the first (vLLM's, Inductor's): a warm start.
@@ -45,6 +47,7 @@ from typing import Any
 from lengths import histogram, read_lengths
 
 H200_BF16_FLOPS = 989e12
+SYNC_PARTS = ("build", "transfer", "write", "add", "remove", "reset")
 JOB = "configs/qwen3vl_8b_grpo_lora.yaml"
 
 
@@ -163,6 +166,11 @@ def measure(
         "sync_s": mean("timing/sync_s"),
         "sync_load_s": mean("timing/sync_load_s"),  # the adapter to the engine, loaded there
         "sync_check_s": mean("timing/sync_check_s"),  # the per-step fingerprint (delivery check)
+        # sync_load_s's parts: the learner's build, the way to the engine (object store, actor queue), the files
+        # written, vLLM's add_lora, the old version removed, the caches reset (the slowest engine's each)
+        "sync_parts_s": {
+            part: mean(f"timing/sync_{part}_s") for part in SYNC_PARTS if f"timing/sync_{part}_s" in rows[0]
+        },
         "judge_s": mean("timing/judge_s"),  # part of reward_s: a `judge` reward's batches (0 without one)
         "judge_mean": mean("reward/judge_mean"),
         # the per-sync delivery check (orchestrate.delivery)

@@ -96,6 +96,8 @@ class AdapterPayload:
 
     version: int
     files: dict[str, bytes]
+    built_s: float = 0.0  # the learner's time to build it (the sync's profile: timing/sync_build_s)
+    sent_at: float = 0.0  # wall clock when built: the engine's receipt minus this is timing/sync_transfer_s
 
 
 @dataclass(frozen=True)

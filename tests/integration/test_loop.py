@@ -137,6 +137,11 @@ def test_two_steps_through_ray_write_the_tensorboard_tags_and_resume(
     parts = first["timing/start_actors_s"] + first["timing/delivery_check_s"]
     assert 0 < parts <= first["timing/startup_s"] < time.perf_counter() - started
     assert not any(k in result.history[1] for k in ("timing/startup_s", "timing/start_actors_s"))
+    # the sync's profile: the learner's build, the way to the engine, the engine's own parts, in turn within it
+    names = ("build", "transfer", "write", "add", "remove", "reset")
+    parts = [first[f"timing/sync_{name}_s"] for name in names]
+    assert min(parts) >= 0 and first["timing/sync_add_s"] > 0
+    assert sum(parts) <= first["timing/sync_load_s"] + 0.01
     tags = read_tags(tmp_path / "run" / "tensorboard")
     scalars = read_scalars(tmp_path / "run" / "tensorboard")
     missing = [t for t in REQUIRED_SCALARS if t not in scalars]

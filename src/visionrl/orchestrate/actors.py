@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -112,8 +113,12 @@ class LearnerActor:
         return self._rank0("train_step", lambda learner: learner.train_step(batch))
 
     def adapter_payload(self, for_engine: bool = True) -> AdapterPayload | None:
-        """The current adapter: in the engines' dtype, or (`for_engine=False`) in full precision."""
-        return self._rank0("adapter_payload", lambda learner: learner.adapter_payload(for_engine))
+        """The current adapter: in the engines' dtype, or (`for_engine=False`) in full precision; stamped with
+        its build time and the wall clock it was sent at (the sync's profile)."""
+        t = time.perf_counter()
+        got = self._rank0("adapter_payload", lambda learner: learner.adapter_payload(for_engine))
+        built_s = time.perf_counter() - t
+        return dataclasses.replace(got, built_s=built_s, sent_at=time.time()) if got else None
 
     def probe_parts(self) -> list[str] | None:
         return self._rank0("the adapter probe", lambda learner: learner.probe_parts())
@@ -203,9 +208,14 @@ class RolloutActor:
     def in_flight(self) -> bool:
         return bool(self.engine.in_flight())
 
-    def load_adapter(self, payload: AdapterPayload) -> int:
+    def load_adapter(self, payload: AdapterPayload) -> tuple[int, dict[str, float]]:
+        """The version served after loading `payload`, and the sync's parts in seconds: the learner's build, the
+        way here (Ray's object store, deserialising, the actor's queue), and the engine's own parts."""
+        transfer_s = max(0.0, time.time() - payload.sent_at) if payload.sent_at else 0.0
         with memory_guard("rollout engine", "the adapter sync", self.cfg):
-            return self.engine.load_adapter(payload)
+            version = self.engine.load_adapter(payload)
+        parts = getattr(self.engine, "load_parts", {})
+        return version, {"build": payload.built_s, "transfer": transfer_s, **parts}
 
     def probe(self, payload: AdapterPayload, prompts: list[PromptItem]) -> ProbeResult:
         with memory_guard("rollout engine", "the adapter probe", self.cfg):

@@ -303,7 +303,8 @@ class Loop:
     ) -> dict[str, Any]:
         fingerprint = (
             {tags.FINGERPRINT_DIFF: max(synced.fingerprint_diffs), tags.TIMING_SYNC_LOAD: synced.load_s,
-             tags.TIMING_SYNC_CHECK: synced.check_s}
+             tags.TIMING_SYNC_CHECK: synced.check_s,
+             **{tags.timing_tag(f"sync_{part}"): s for part, s in synced.parts.items()}}
             if synced else {}
         )  # fmt: skip
         return {

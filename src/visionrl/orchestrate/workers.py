@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -83,6 +83,8 @@ class Synced:
     fingerprint_diffs: list[float]
     load_s: float = 0.0  # the adapter to every engine and loaded there
     check_s: float = 0.0  # the fingerprint: each engine's greedy completion, scored by the learner
+    # load_s's parts, the slowest engine's each: the learner's build, the way to the engine, the engine's parts
+    parts: dict[str, float] = field(default_factory=dict)
 
 
 def reward_deadline_s(cfg: JobConfig, completions: int) -> float:
@@ -164,7 +166,7 @@ class Workers:
         engine = self.engines[index]
         payload = self.learners.adapter_payload_pending()
         load_call = Call(engine.load_adapter.remote(payload.ref), ENGINE, index)
-        version, served = self._get([load_call, *payload.calls], "sync")[:2]  # rank 0's payload second
+        (version, _), served = self._get([load_call, *payload.calls], "sync")[:2]  # rank 0's payload second
         if version != served.version:
             raise RunError(
                 f"rollout engine {index} after its restart serves adapter version {version}, the learner's is "
@@ -301,20 +303,25 @@ class Workers:
     def sync_adapter(self) -> Synced:
         """The learner's adapter to every engine, and each engine's fingerprint under it."""
 
-        def attempt() -> int:
+        def attempt() -> tuple[int, dict[str, float]]:
             # rank 0's payload, resolved once in the object store; every rank takes part in building it
             payload = self.learners.adapter_payload_pending()
             calls = [Call(e.load_adapter.remote(payload.ref), ENGINE, i) for i, e in enumerate(self.engines)]
-            versions = self._get([*calls, *payload.calls], "sync")[: len(calls)]
+            loaded = self._get([*calls, *payload.calls], "sync")[: len(calls)]
+            versions = [version for version, _ in loaded]
             if len(set(versions)) != 1:
                 raise RunError(f"engines serve different adapter versions after sync: {versions}")
-            return int(versions[0])
+            parts: dict[str, float] = {}
+            for _, engine_parts in loaded:
+                for name, seconds in engine_parts.items():
+                    parts[name] = max(parts.get(name, 0.0), seconds)
+            return int(versions[0]), parts
 
         t0 = time.perf_counter()
-        version = self._recovering(attempt)
+        version, parts = self._recovering(attempt)
         t1 = time.perf_counter()
         diffs = self._fingerprint()
-        return Synced(version, diffs, t1 - t0, time.perf_counter() - t1)
+        return Synced(version, diffs, t1 - t0, time.perf_counter() - t1, parts)
 
     def _fingerprint(self) -> list[float]:
         """Each engine's greedy completion of the fingerprint prompt under the version it serves, scored by the

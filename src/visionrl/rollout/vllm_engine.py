@@ -14,10 +14,13 @@ vision tokens biased away), the same distribution the learner computes.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
 import shutil
+import time
+from collections.abc import Iterator
 from typing import Any
 
 from visionrl import faults
@@ -40,6 +43,17 @@ from visionrl.types import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def timed(parts: dict[str, float], name: str) -> Iterator[None]:
+    """Add the seconds the block takes to `parts[name]` (the adapter sync's profile)."""
+    t = time.perf_counter()
+    try:
+        yield
+    finally:
+        parts[name] = parts.get(name, 0.0) + time.perf_counter() - t
+
 
 FORBIDDEN_BIAS = -100.0  # vLLM adds logit_bias; -100 makes a token's probability ~e^-100
 
@@ -135,17 +149,20 @@ class VLLMEngine:
     def load_adapter(self, payload: AdapterPayload) -> int:
         self._exclusive("loading an adapter")
         self.wake_up()
+        self.load_parts: dict[str, float] = {}  # the sync's profile (timing/sync_<part>_s), seconds
         if self._lora is not None and payload.version == self._version:
             return self._version  # already served (a LoRA id must never be reused for other weights)
         if payload.version > 1 and faults.active("drop_adapter_syncs"):
             self._version = payload.version  # acknowledged, not loaded: what the per-step check must catch
             return self._version
-        new = self._add(payload, f"visionrl-v{payload.version}")
+        parts = self.load_parts
+        new = self._add(payload, f"visionrl-v{payload.version}", parts)
         old = self._lora
         self._lora, self._version = new, payload.version
-        if old is not None:
+        with timed(parts, "remove"):  # the version before, out of vLLM and its files
             self._remove(old)
-        self._reset_caches()
+        with timed(parts, "reset"):
+            self._reset_caches()
         return self._version
 
     def probe(self, payload: AdapterPayload, prompts: list[PromptItem]) -> ProbeResult:
@@ -224,21 +241,27 @@ class VLLMEngine:
     def rebuilds(self) -> int:
         return self._rebuilds
 
-    def _add(self, payload: AdapterPayload, name: str) -> Any:
+    def _add(self, payload: AdapterPayload, name: str, parts: dict[str, float] | None = None) -> Any:
         """Write the adapter's files and add it under a LoRA id never used before (a reused id or name serves
         stale image embeddings: docs/ENGINE_NOTES.md); raises if vLLM does not list it afterwards."""
         from vllm.lora.request import LoRARequest
 
+        parts = {} if parts is None else parts
         self._next_id += 1
         path = self._dir / f"{name}-{self._next_id}"
         path.mkdir(parents=True, exist_ok=True)
-        for file, data in as_a_faulty_engine_applies(payload).files.items():
-            (path / file).write_bytes(data)
+        with timed(parts, "write"):  # the files vLLM loads from, in the scratch folder (/dev/shm)
+            for file, data in as_a_faulty_engine_applies(payload).files.items():
+                (path / file).write_bytes(data)
         req = LoRARequest(f"{name}-{self._next_id}", self._next_id, str(path))
         engine = self._llm.llm_engine
         if faults.active("ignore_adapters"):
             return None  # generate() then runs the base model: the adapter never reaches the engine
-        if not engine.add_lora(req) or req.lora_int_id not in engine.list_loras():
+        with timed(
+            parts, "add"
+        ):  # vLLM's engine core reads the files and places the weights in its LoRA slots
+            added = engine.add_lora(req) and req.lora_int_id in engine.list_loras()
+        if not added:
             raise RuntimeError(
                 f"vLLM did not take adapter {name} (LoRA id {req.lora_int_id}): add_lora failed or the id is "
                 "not listed; check the engine log for LoRA errors (rank over max_lora_rank, unknown targets)"
