@@ -15,6 +15,7 @@ from visionrl.config_yaml import ConfigError
 from visionrl.data import load_dataset
 from visionrl.data.prompts import build_prompt
 from visionrl.models.sequences import Sequence
+from visionrl.train.forward import compiled_graphs
 from visionrl.train.learner import Learner, TrainBatch
 
 
@@ -371,8 +372,15 @@ def test_compiled_decoder_layers_give_the_eager_gradient(tiny_model: Path, color
     compiled = Learner(_cfg(tiny_model, color_data, train={"compile": True}), device="cpu")
     layers = compiled.model.get_base_model().model.language_model.layers
     assert len(layers) > 0 and all(layer._compiled_call_impl is not None for layer in layers)
+    # the warm-up (run beside the engines' start) compiles the layers for training and changes nothing else
+    weights = {n: p.detach().clone() for n, p in compiled.model.named_parameters()}
+    assert compiled.warm_up() > 0 and eager.warm_up() == 0.0  # nothing to warm up without train.compile
+    warmed = compiled_graphs()
+    assert all(torch.equal(p, weights[n]) and p.grad is None for n, p in compiled.model.named_parameters())
+    assert compiled.version == 0 and not compiled.optimizer.state
     batch = _batch(eager, color_data)
     want, got = _accumulated_grads(eager, batch), _accumulated_grads(compiled, batch)
+    assert compiled_graphs() == warmed  # the first real update (images, other lengths) compiled nothing new
     assert want.keys() == got.keys() and len(want) > 0
     for name, g in want.items():
         torch.testing.assert_close(got[name], g, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")

@@ -106,6 +106,12 @@ class LearnerActor:
             self.learner = Learner(self.cfg, ranks=ranks)
         return self.learner.forbidden.tolist()
 
+    def warm_up(self) -> float:
+        """`train.compile`: the decoder layers compiled for training now, beside the engines' start, not in step
+        1 (`Learner.warm_up`); the seconds it took."""
+        with memory_guard("learner", "the compile warm-up", self.cfg):
+            return self.learner.warm_up() if self.learner is not None else 0.0
+
     def train_step(self, batch: TrainBatch) -> dict[str, float] | None:
         """The update on this rank's share of `batch`; the metrics, summed over the ranks."""
         self.calls += 1
@@ -405,6 +411,9 @@ def start_actors(cfg: JobConfig) -> tuple[list[Any], list[Any], list[Any]]:
             Call(a.setup.remote(address), LEARNER, i) for i, a in enumerate(learners)
         ]  # all join at once
         forbidden = gather(setups, "start-up", timeout, key, interruptible=True)[0]
+        # the learners compile their layers while the engines start (the model's weights already placed, so an
+        # engine's memory profile sees them as they will stay)
+        warm = [Call(a.warm_up.remote(), LEARNER, i) for i, a in enumerate(learners)]
         engines = [_start_engine(cfg, i, forbidden, opts) for i, opts in enumerate(engine_opts)]
         # a job whose only reward is a judge has no rule rewards to score
         rewards = [
@@ -413,14 +422,20 @@ def start_actors(cfg: JobConfig) -> tuple[list[Any], list[Any], list[Any]]:
         ]
         # Fail early, with the actor's own error, if any of them cannot start; say where each one runs.
         calls = [
+            *warm,
             *[Call(a.placement.remote(), LEARNER, i) for i, a in enumerate(learners)],
             *[Call(e.placement.remote(), ENGINE, i) for i, e in enumerate(engines)],
             *[Call(w.placement.remote(), REWARD, i) for i, w in enumerate(rewards)],
         ]
-        places = gather(calls, "start-up", timeout, key, interruptible=True)
+        got = gather(calls, "start-up", timeout, key, interruptible=True)
+        warm_s, places = got[: len(warm)], got[len(warm) :]
     except BaseException:
         kill_actors([*learners, *engines, *rewards])  # none of them is left on a Ray that outlives the run
         raise
+    if any(warm_s):
+        logger.info(
+            "the learners' layers compiled for training beside the engines' start: %.1f s", max(warm_s)
+        )
     logger.info(
         "placement %s; running: %s",
         plan.describe(),

@@ -29,7 +29,6 @@ from visionrl import faults
 from visionrl import metrics as tags
 from visionrl.config import JobConfig
 from visionrl.data.images import ImageBudget
-from visionrl.errors import NonFiniteError
 from visionrl.models.loader import (
     apply_lora,
     checkpoint_layers,
@@ -63,7 +62,7 @@ from visionrl.train.mismatch import (
 from visionrl.train.objective import NO_PEAKS, metric_keys, micro_batch_loss
 from visionrl.train.probe import PROBE_VERSION, probe_parts, probe_weights
 from visionrl.train.ranks import RankGroup, clip_grads, register_shards, shard_model
-from visionrl.train.schedule import lr_lambda, set_rate
+from visionrl.train.schedule import lr_lambda, set_rate, step_if_finite
 from visionrl.types import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterPayload, PromptItem
 
 # step metrics that are extremes over the updates, not means
@@ -95,8 +94,7 @@ class Learner:
             checkpoint_layers(self.model, cfg.model.checkpoint_layers)
         if self.ranks.fsdp:
             shard_model(base, self.device.type, self.ranks.world)
-        if cfg.train.compile:
-            compile_decoder_layers(self.model, sharded=self.ranks.fsdp)
+        self.compiled = cfg.train.compile and compile_decoder_layers(self.model, sharded=self.ranks.fsdp) > 0
         self._shared = SharedImages(base.model.visual)
         self._merge_size = int(getattr(self.processor.image_processor, "merge_size", 2))
         self.forbidden = torch.tensor(vision_token_ids(base.config, self.processor), dtype=torch.long)
@@ -178,21 +176,34 @@ class Learner:
         rows = list(rows)
         lengths = [(len(encoded[seqs[r].prompt].input_ids), len(seqs[r].completion_ids)) for r in rows]
         budget = budget or self.cfg.train.micro_batch_tokens
-        packing = self.cfg.train.packing  # sequences end to end in one row each (models.packing)
-        plan = (
-            plan_packed_rows([n + k for n, k in lengths], budget)
-            if packing
-            else plan_micro_batches(lengths, budget)
-        )
-        share, merge, make = (
-            self.cfg.train.share_images,
-            self._merge_size,
-            collate_packed if packing else collate,
-        )
+        if self.cfg.train.packing:  # sequences end to end in one row each (models.packing)
+            plan, make = plan_packed_rows([n + k for n, k in lengths], budget), collate_packed
+        else:
+            plan, make = plan_micro_batches(lengths, budget), collate
+        share, merge = self.cfg.train.share_images, self._merge_size
         return [
             make(encoded, seqs, [rows[i] for i in g], self.pad_id, share_images=share, merge_size=merge)
             for g in plan
         ]
+
+    def warm_up(self, lengths: tuple[int, ...] = (48, 80)) -> float:
+        """`train.compile`: one forward and backward on a small text-only batch (completions of `lengths` tokens),
+        so that the decoder layers are compiled for training before step 1; nothing is applied and the
+        gradients are dropped. Returns the seconds taken (0: nothing compiled to warm up)."""
+        if not self.compiled:
+            return 0.0
+        t = time.perf_counter()
+        text = self.processor.apply_chat_template(
+            [{"role": "user", "content": [{"type": "text", "text": "Warm up."}]}], tokenize=False
+        )
+        words = self.processor.tokenizer("one two three four five six seven eight", add_special_tokens=False)
+        ids = (list(words.input_ids) * max(lengths))[: max(lengths)]
+        seqs = [Sequence(0, ids[:n], 0.0, [0.0] * n) for n in lengths]
+        self.model.train()
+        for mb in self._micro_batches(self.encode_prompts([PromptItem(text, [])]), seqs, range(len(seqs))):
+            (self._stats(mb)[0].sum() * 0.0).backward()
+        self.optimizer.zero_grad(set_to_none=True)
+        return time.perf_counter() - t
 
     # ------------------------------------------------------------------ the update
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
@@ -393,7 +404,8 @@ class Learner:
         out[tags.LR] = float(self.optimizer.param_groups[0]["lr"])
         out[tags.LEARNER_TOKENS] = norms["num_tokens"]
         out[tags.LEARNER_SEQUENCE_TOKENS] = prompt_tokens + norms["num_tokens"]
-        out[tags.SKIPPED_UPDATES] = 0.0 if self._apply(out[tags.LOSS_TOTAL], grad_norm) else 1.0
+        applied = step_if_finite(self.optimizer, out[tags.LOSS_TOTAL], grad_norm, self.cfg.train.on_nonfinite)
+        out[tags.SKIPPED_UPDATES] = 0.0 if applied else 1.0
         return out
 
     def _backward(
@@ -444,26 +456,6 @@ class Learner:
         if self.ranks.fsdp:
             return float(clip_grads(trainable, self.cfg.train.max_grad_norm))
         return float(torch.nn.utils.clip_grad_norm_(trainable, self.cfg.train.max_grad_norm))
-
-    def _apply(self, loss: float, grad_norm: float) -> bool:
-        """Take the optimizer step unless the loss or the gradient norm is NaN or infinite. A non-finite step
-        is never applied (AdamW would turn every weight it touches into NaN, for good): with
-        `train.on_nonfinite: skip` the gradients are dropped and False returned, with `stop` it raises."""
-        if math.isfinite(loss) and math.isfinite(grad_norm):
-            self.optimizer.step()
-            return True
-        self.optimizer.zero_grad(set_to_none=True)
-        what = (
-            f"a learner update had a non-finite loss ({loss}) or gradient norm ({grad_norm}) and was not "
-            "applied; the adapter is the one of the last finite update"
-        )
-        if self.cfg.train.on_nonfinite == "stop":
-            raise NonFiniteError(
-                f"{what}. train.on_nonfinite=stop ends the run here. Likely causes: a learning rate too high "
-                "for this model (train.lr), rewards or advantages out of range, or float16 overflow "
-                "(model.dtype=bfloat16); on_nonfinite=skip skips such updates instead"
-            )
-        return False
 
     # ------------------------------------------------------------------ adapter out
     def adapter_payload(self, for_engine: bool = True) -> AdapterPayload:
