@@ -239,3 +239,52 @@ def test_an_episode_token_prompt_is_read_as_its_text_on_the_gpu_engine(
     print("text", by_text[0].token_ids, "tokens", by_tokens[0].token_ids)
     assert by_tokens[0].token_ids == by_text[0].token_ids
     assert max(abs(a - b) for a, b in zip(by_tokens[0].logprobs, by_text[0].logprobs, strict=True)) < 1e-3
+
+
+def test_the_stepping_api_on_the_gpu_engine(model_8b: Path) -> None:
+    """vLLM's GPU build stepped by hand (`env.pipeline: continuous`): a request submitted while another runs
+    joins the batch and both give the greedy tokens `generate` gives; while any is in flight, `generate` and an
+    adapter sync are refused; an abort leaves nothing in flight and the engine generates again."""
+    import time
+
+    from PIL import Image
+
+    from visionrl.data.images import ImageBudget, fit_to_processor
+    from visionrl.envs.trajectory import ChatGlue, message
+    from visionrl.models.loader import load_processor
+    from visionrl.rollout.vllm_engine import VLLMEngine
+    from visionrl.types import AdapterPayload, PromptItem, SamplingSpec
+
+    processor = load_processor(model_8b, ImageBudget())
+    glue = ChatGlue(processor)
+    prompts = [
+        PromptItem(
+            glue.render([message("user", question, 1)], True),
+            [fit_to_processor(Image.new("RGB", (448, 448), colour), processor)],
+        )
+        for question, colour in (("How many shapes?", (200, 30, 30)), ("What colour is it?", (30, 30, 200)))
+    ]
+    engine = VLLMEngine(str(model_8b), lora_rank=64, tower_lora=True, forbidden_token_ids=[], dtype="bfloat16",
+                        max_model_len=2048, gpu_memory_utilization=0.5)  # fmt: skip
+    spec = SamplingSpec(n=1, greedy=True, max_tokens=48)
+    try:
+        want = engine.generate(prompts, spec)
+        first = engine.submit(prompts[:1], spec)
+        assert engine.in_flight()
+        with pytest.raises(RuntimeError, match="in flight"):
+            engine.generate(prompts[:1], spec)
+        with pytest.raises(RuntimeError, match="in flight"):
+            engine.load_adapter(AdapterPayload(version=1, files={}))
+        second = engine.submit(prompts[1:], spec)  # joins the running batch
+        done: dict = {}
+        deadline = time.monotonic() + 120
+        while len(done) < 2 and time.monotonic() < deadline:
+            done.update(engine.collect(5.0))
+        assert set(done) == {first[0], second[0]} and not engine.in_flight()
+        for rid, expected in zip((first[0], second[0]), want, strict=True):
+            assert done[rid][0].token_ids == expected[0].token_ids
+        engine.submit(prompts, SamplingSpec(n=1, greedy=True, max_tokens=512))
+        assert engine.abort() >= 1 and not engine.in_flight()
+        assert engine.generate(prompts[:1], spec)[0][0].token_ids == want[0][0].token_ids
+    finally:
+        engine.close()
