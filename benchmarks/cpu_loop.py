@@ -1,6 +1,7 @@
 """CPU benchmark of one GRPO step through the whole stack (Ray actors, vLLM CPU engine, learner, sync).
 
-Trains the tiny Qwen3-VL for a few steps on the colour task and reports the median time of each phase, so a
+Trains the tiny Qwen3-VL for a few steps on the colour task and reports the median time of each phase (and the
+run's start-up: actors started, delivery check), so a
 change on the hot path can be compared with the previous results file and with the measurements in docs/ENGINE_NOTES.md on this
 machine (an in-process vLLM engine: 8 image prompts x n=4, 16 tokens in 0.25-0.4 s; a bare-PyTorch GRPO step of a
 250K-parameter model, generation included, about 0.2 s). Prints a table, writes
@@ -34,7 +35,13 @@ def main() -> None:
 
     from visionrl.config import config_from_dict
     from visionrl.data.synthetic import make_dataset
-    from visionrl.metrics import THROUGHPUT, TIMING_PHASES
+    from visionrl.metrics import (
+        THROUGHPUT,
+        TIMING_DELIVERY_CHECK,
+        TIMING_PHASES,
+        TIMING_START_ACTORS,
+        TIMING_STARTUP,
+    )
     from visionrl.models.tiny import build_tiny_model
     from visionrl.orchestrate.loop import train
 
@@ -61,7 +68,9 @@ def main() -> None:
                 "ray": {"num_cpus": 2},
             }
         )
-        history = train(cfg).history[2:]  # the first steps include warm-up
+        full = train(cfg).history
+        history = full[2:]  # the first steps include warm-up
+    startup = {k: full[0].get(k) for k in (TIMING_STARTUP, TIMING_START_ACTORS, TIMING_DELIVERY_CHECK)}
     rows = {k: statistics.median(h[k] for h in history) for k in TIMING_PHASES}
     rows[THROUGHPUT] = statistics.median(h[THROUGHPUT] for h in history)
     result = {
@@ -70,6 +79,7 @@ def main() -> None:
         "machine": {"cpus": os.cpu_count(), "kind": "CPU-only development machine"},
         "setup": vars(args) | {"model": "tiny Qwen3-VL (437K params)", "steps_measured": len(history)},
         "median": rows,
+        "startup": startup,  # the run's start, with its first step
         "engine_notes": ENGINE_NOTES,
     }
     out = Path(args.out)
@@ -79,7 +89,7 @@ def main() -> None:
     )
     print(f"\n{args.prompts} prompts x {args.group} completions, {args.tokens} tokens, engine {args.engine}")
     print(f"{'phase (median over steps)':<30}{'seconds':>10}")
-    for k, v in rows.items():
+    for k, v in {**rows, **startup}.items():
         print(f"{k:<30}{v:>10.3f}")
     print(
         f"docs/ENGINE_NOTES.md: vLLM 8x4x16 generate {ENGINE_NOTES['vllm_8x4x16_generate_s']} s, "

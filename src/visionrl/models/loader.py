@@ -192,6 +192,14 @@ def lora_param_groups(model: Any, lr: float, merger_lr: float | None, lm_head_lr
     return [{"params": ps, "lr": rates[k], "name": k} for k, ps in groups.items() if ps]
 
 
+def checkpoint_vision_token_ids(path: str | Path) -> list[int]:
+    """`vision_token_ids` read from the checkpoint's config alone (no weights): what the engines must never
+    sample, known before any learner has loaded the model."""
+    from transformers import AutoConfig
+
+    return vision_token_ids(AutoConfig.from_pretrained(str(path)), None)
+
+
 def vision_token_ids(model_config: Any, processor: Any) -> list[int]:
     """Token ids that must never be sampled: image/video pads and vision delimiters (docs/ENGINE_NOTES.md)."""
     ids = {

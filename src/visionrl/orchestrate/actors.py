@@ -23,10 +23,11 @@ from visionrl.config import JobConfig, RayConfig
 from visionrl.config_placement import PlacementPlan
 from visionrl.data.images import ImageBudget
 from visionrl.errors import InputError, out_of_memory
+from visionrl.models.loader import checkpoint_vision_token_ids
 from visionrl.orchestrate import console
 from visionrl.orchestrate.remote import ENGINE, LEARNER, REWARD, Call, gather, kill_actors
 from visionrl.rewards import RewardSpec, build_reward_fn
-from visionrl.rollout.factory import make_engine
+from visionrl.rollout.factory import make_engine, preload_engine
 from visionrl.train.learner_state import LearnerState
 from visionrl.types import AdapterPayload, Completion, JudgeAsk, ProbeResult, PromptItem, SamplingSpec
 
@@ -175,10 +176,18 @@ class LearnerActor:
 
 @ray.remote
 class RolloutActor:
-    def __init__(self, cfg: JobConfig, forbidden: list[int], seed: int, index: int = 0) -> None:
+    def __init__(
+        self, cfg: JobConfig, forbidden: list[int], seed: int, index: int = 0, after: list | None = None
+    ) -> None:
+        """`after`: [the learners' setup calls], nested so that Ray does not wait for them before this runs:
+        the engine imports its library meanwhile and loads the model once the learners have theirs on the GPU
+        (an engine measures the memory it may take when it starts)."""
         console.quiet_actor()
         use_torch_threads(cfg)
         self.cfg, self.index, self.calls = cfg, index, 0
+        preload_engine(cfg.rollout.engine)
+        if after:
+            _wait_for_learners(after[0])
         with memory_guard("rollout engine", "start-up", cfg):
             self.engine = make_engine(
                 cfg.model.path,
@@ -298,9 +307,23 @@ def _engine_options(cfg: JobConfig) -> list[dict[str, Any]]:
     ]
 
 
-def _start_engine(cfg: JobConfig, index: int, forbidden: list[int], opts: dict[str, Any]) -> Any:
+def _start_engine(
+    cfg: JobConfig, index: int, forbidden: list[int], opts: dict[str, Any], after: list | None = None
+) -> Any:
     # mypy keeps a class's own type under a class decorator; `@ray.remote` adds `.options` at run time.
-    return RolloutActor.options(**opts).remote(cfg, forbidden, cfg.train.seed + index, index)  # type: ignore[attr-defined]
+    return RolloutActor.options(**opts).remote(cfg, forbidden, cfg.train.seed + index, index, after)  # type: ignore[attr-defined]
+
+
+def _wait_for_learners(setups: list[Any]) -> None:
+    """Until the learners' setup calls are done. One that raised stops this engine's start too (the driver
+    reports the learner's error); a result no longer held (this engine rebuilt by Ray long after the start) means
+    they were done long ago."""
+    try:
+        ray.get(setups)
+    except ray.exceptions.RayTaskError:
+        raise
+    except ray.exceptions.RayError:
+        pass
 
 
 def _start_reward_worker(cfg: JobConfig, index: int) -> Any:
@@ -410,11 +433,13 @@ def start_actors(cfg: JobConfig) -> tuple[list[Any], list[Any], list[Any]]:
         setups = [
             Call(a.setup.remote(address), LEARNER, i) for i, a in enumerate(learners)
         ]  # all join at once
-        forbidden = gather(setups, "start-up", timeout, key, interruptible=True)[0]
-        # the learners compile their layers while the engines start (the model's weights already placed, so an
-        # engine's memory profile sees them as they will stay)
+        # The engines start now and import their library while the learners load the model; each loads it
+        # once the learners are done (their weights already placed, an engine's memory profile sees them as they
+        # will stay). Meanwhile the learners compile their layers for training.
+        forbidden, after = checkpoint_vision_token_ids(cfg.model.path), [[c.ref for c in setups]]
+        engines = [_start_engine(cfg, i, forbidden, opts, after) for i, opts in enumerate(engine_opts)]
+        gather(setups, "start-up", timeout, key, interruptible=True)
         warm = [Call(a.warm_up.remote(), LEARNER, i) for i, a in enumerate(learners)]
-        engines = [_start_engine(cfg, i, forbidden, opts) for i, opts in enumerate(engine_opts)]
         # a job whose only reward is a judge has no rule rewards to score
         rewards = [
             _start_reward_worker(cfg, i)

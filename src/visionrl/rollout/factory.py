@@ -59,3 +59,10 @@ def make_engine(
             budget=budget,
         )
     raise ValueError(f"unknown rollout engine {rollout.engine!r}; use one of {', '.join(ENGINES)}")
+
+
+def preload_engine(engine: str) -> None:
+    """Import what `make_engine` will build on (vLLM's import alone takes 15-18 s on a GPU machine), so that an
+    engine waiting for its turn to load the model spends the wait on it."""
+    if engine == "vllm":
+        import vllm  # noqa: F401
