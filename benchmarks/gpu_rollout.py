@@ -1,0 +1,218 @@
+"""The rollout engine alone at the production job's shape, one vLLM setting at a time (generation speed).
+
+visionrl's vLLM engine as the loop builds it from `configs/qwen3vl_8b_grpo_lora.yaml` (LoRA r64 with the merger,
+log-probs, the job's image bounds and GPU share) on a Qwen3-VL-8B-shaped checkpoint (random bf16 weights), with
+a non-zero adapter of the job's layout loaded, samples P prompts x G completions of T tokens (64 x 8 x 512 by
+default; random weights never end a turn, so every completion has T tokens), one 448x448 image per prompt.
+Each variant runs in a process of its own (a fresh engine; its memory returned at exit): the engine's start, a
+short warm-up batch, then the timed batch. Reported per variant: generated tokens/s, the batch's seconds, the
+engine's start, and the generated tokens/s against the job's own setting.
+
+Variants (`--variants`, comma-separated; default all):
+  job         the job file's engine as shipped
+  no_lora     the same engine without LoRA: what LoRA costs
+  seqs_N      rollout.vllm_engine_args max_num_seqs=N (N: 256, 512, 1024)
+  tokens_N    rollout.vllm_engine_args max_num_batched_tokens=N (N: 8192, 16384, 32768)
+  share_X     rollout.gpu_memory_utilization=X (0.35 is the 80 GB setting's)
+
+On a CUDA machine with vLLM, from the repository root:
+    PYTHONPATH=src python benchmarks/gpu_rollout.py [--size 64x8x512] [--variants job,no_lora,seqs_512]
+        [--work DIR] [--out benchmarks/results] [key=value ...]
+On the CPU (the script's path, the CPU build and the tiny model; measures nothing):  ... --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+JOB = "configs/qwen3vl_8b_grpo_lora.yaml"
+VARIANTS = [
+    "job",
+    "no_lora",
+    "seqs_256",
+    "seqs_512",
+    "seqs_1024",
+    "tokens_8192",
+    "tokens_16384",
+    "tokens_32768",
+]
+
+
+def variant_overrides(name: str) -> list[str]:
+    """The job-file overrides of a variant (`no_lora` is applied to the engine itself, not the job)."""
+    kind, _, value = name.partition("_")
+    if kind == "seqs":
+        return [f"rollout.vllm_engine_args={{max_num_seqs: {int(value)}}}"]
+    if kind == "tokens":
+        return [f"rollout.vllm_engine_args={{max_num_batched_tokens: {int(value)}}}"]
+    if kind == "share":
+        return [f"rollout.gpu_memory_utilization={float(value)}"]
+    if name in ("job", "no_lora"):
+        return []
+    raise SystemExit(f"unknown variant {name!r}: job, no_lora, seqs_N, tokens_N or share_X")
+
+
+def random_adapter(model_dir: Path, cfg: Any, seed: int = 0) -> Any:
+    """An adapter of the job's LoRA layout for `model_dir` with random non-zero weights, as the engines receive one
+    (built on the meta device: no base weights are loaded)."""
+    import torch
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from visionrl.models.loader import apply_lora, torch_dtype
+    from visionrl.train.learner_state import adapter_config_bytes
+    from visionrl.types import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterPayload
+
+    with torch.device("meta"):
+        peft_model = apply_lora(
+            AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(model_dir)), cfg.lora
+        )
+    gen = torch.Generator().manual_seed(seed)
+    dtype = torch_dtype(cfg.model.dtype)
+    state = get_peft_model_state_dict(peft_model, save_embedding_layers=False)
+    weights = {k: (torch.randn(tuple(v.shape), generator=gen) * 0.01).to(dtype) for k, v in state.items()}
+    files = {ADAPTER_CONFIG: adapter_config_bytes(peft_model), ADAPTER_WEIGHTS: save(weights)}
+    return AdapterPayload(version=1, files=files)
+
+
+def one_variant(args: argparse.Namespace) -> dict[str, Any]:
+    """In this process: the engine of `args.one`, its start, a warm-up, the timed batch."""
+    from visionrl.config import load_config
+    from visionrl.models.loader import checkpoint_vision_token_ids
+    from visionrl.orchestrate.actors import engine_budget
+    from visionrl.orchestrate.prompt_stream import PromptStream
+    from visionrl.rollout.factory import make_engine
+    from visionrl.types import SamplingSpec
+
+    prompts, group, tokens = (int(x) for x in args.size.split("x"))
+    over = [f"model.path={args.model}", f"data.train={args.data / 'train.jsonl'}", "data.eval=null",
+            f"rollout.prompts_per_step={prompts}", f"algorithm.group_size={group}",
+            f"rollout.max_new_tokens={tokens}", *variant_overrides(args.one), *args.overrides]  # fmt: skip
+    if args.smoke:
+        over += [
+            "model.dtype=float32",
+            "rollout.gpus_per_engine=0",
+            "ray.learner_gpus=0",
+            "algorithm.overlong_buffer=null",
+        ]
+    cfg = load_config(JOB, over)
+    lora = cfg.lora.model_copy(update={"rank": 0}) if args.one == "no_lora" else cfg.lora
+    items = PromptStream(cfg).next_batch()  # the job's prompts: its system prompt, its image bounds
+    t = time.perf_counter()
+    engine = make_engine(cfg.model.path, lora=lora, rollout=cfg.rollout,
+                         forbidden_token_ids=checkpoint_vision_token_ids(cfg.model.path), dtype=cfg.model.dtype,
+                         seed=0, budget=engine_budget(cfg))  # fmt: skip
+    start_s = time.perf_counter() - t
+    try:
+        if lora.rank:
+            engine.load_adapter(random_adapter(args.model, cfg))
+        r = cfg.rollout
+        spec = SamplingSpec(n=group, temperature=r.temperature, top_p=r.top_p, max_tokens=tokens, seed=0)
+        engine.generate(items[:4], SamplingSpec(n=2, max_tokens=16, temperature=1.0, seed=1))  # warm-up
+        t = time.perf_counter()
+        out = engine.generate(items, spec)
+        batch_s = time.perf_counter() - t
+    finally:
+        engine.close()
+    generated = sum(len(c.token_ids) for group_out in out for c in group_out)
+    return {"variant": args.one, "engine_start_s": start_s, "batch_s": batch_s, "generated_tokens": generated,
+            "generated_tokens_per_s": generated / batch_s, "overrides": variant_overrides(args.one)}  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--size", default="64x8x512", help="PROMPTSxGROUPxTOKENS")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--work", default="", help="keep the checkpoint and data here (reused by a later call)")
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument(
+        "--smoke", action="store_true", help="CPU: small shapes, checks the script, measures nothing"
+    )
+    p.add_argument("--one", help=argparse.SUPPRESS)  # a child process: this variant only
+    p.add_argument("--model", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--data", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--json", type=Path, help=argparse.SUPPRESS)
+    p.add_argument(
+        "overrides", nargs="*", help="extra key=value overrides of the job file, for every variant"
+    )
+    args = p.parse_args()
+    if args.one:
+        args.json.write_text(json.dumps(one_variant(args)))
+        return
+    from gpu_grpo_step import build_model, versions
+
+    from visionrl.data.synthetic import make_dataset
+
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(args.work or tmp)
+        model, data = work / "qwen3vl-8b-shaped", work / "count448"
+        if not (model / "config.json").exists():
+            build_model(model, args.smoke)
+        if not (data / "train.jsonl").exists():
+            make_dataset(
+                data, "count", num_train=512, num_eval=0, seed=0, image_size=64 if args.smoke else 448
+            )
+        rows = [run_variant(name, args, model, data, work) for name in args.variants.split(",") if name]
+    job = next((r for r in rows if r["variant"] == "job" and "generated_tokens_per_s" in r), None)
+    for r in rows:
+        if job and "generated_tokens_per_s" in r:
+            r["vs_job"] = r["generated_tokens_per_s"] / job["generated_tokens_per_s"]
+    report = {
+        "benchmark": "gpu_rollout",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": {"device": _device(), **versions()},
+        "setup": {
+            "job": JOB,
+            "size": args.size,
+            "overrides": args.overrides,
+            "model": "Qwen3-VL-8B shape, random bf16 weights (every completion runs to T)",
+        },  # fmt: skip
+        "results": rows,
+    }
+    print(f"\n{'variant':<16}{'tokens/s':>10}{'batch s':>9}{'start s':>9}{'vs job':>8}")
+    for r in rows:
+        if "generated_tokens_per_s" not in r:
+            print(f"{r['variant']:<16} {r['status']}")
+            continue
+        vs = f"{r['vs_job']:8.2f}" if "vs_job" in r else f"{'-':>8}"
+        print(
+            f"{r['variant']:<16}{r['generated_tokens_per_s']:10.0f}{r['batch_s']:9.1f}{r['engine_start_s']:9.1f}{vs}"
+        )
+    if args.smoke:
+        return
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_rollout.json").write_text(json.dumps(report, indent=2) + "\n")
+
+
+def run_variant(name: str, args: argparse.Namespace, model: Path, data: Path, work: Path) -> dict[str, Any]:
+    """One variant in a child process (a fresh engine); its row, or why it failed (its output is above)."""
+    result = work / f"rollout-{name}.json"
+    result.unlink(missing_ok=True)
+    cmd = [sys.executable, __file__, "--one", name, "--model", str(model), "--data", str(data),
+           "--json", str(result), "--size", args.size, *(["--smoke"] if args.smoke else []), *args.overrides]  # fmt: skip
+    proc = subprocess.run(cmd)
+    if proc.returncode != 0 or not result.exists():
+        return {"variant": name, "status": f"failed (exit {proc.returncode}); its output is in the log"}
+    row = json.loads(result.read_text())
+    print(json.dumps(row), flush=True)
+    return dict(row)
+
+
+def _device() -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+"""benchmarks/gpu_rollout.py's variants: each name gives the job-file overrides it says, and a bad name is refused."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+from gpu_rollout import VARIANTS, variant_overrides
+
+
+def test_each_variant_is_one_engine_setting() -> None:
+    assert (
+        variant_overrides("job") == variant_overrides("no_lora") == []
+    )  # no_lora: the engine's rank, not the job
+    assert variant_overrides("seqs_512") == ["rollout.vllm_engine_args={max_num_seqs: 512}"]
+    assert variant_overrides("tokens_16384") == ["rollout.vllm_engine_args={max_num_batched_tokens: 16384}"]
+    assert variant_overrides("share_0.5") == ["rollout.gpu_memory_utilization=0.5"]
+    assert all(isinstance(variant_overrides(v), list) for v in VARIANTS)  # the default list is all valid
+    with pytest.raises(SystemExit, match="unknown variant 'fast'"):
+        variant_overrides("fast")
+
+
+def test_the_overrides_load_into_the_production_job() -> None:
+    from visionrl.config import load_config
+
+    job = Path(__file__).resolve().parents[2] / "configs" / "qwen3vl_8b_grpo_lora.yaml"
+    cfg = load_config(job, variant_overrides("seqs_512") + variant_overrides("share_0.5"))
+    assert cfg.rollout.vllm_engine_args == {"max_num_seqs": 512} and cfg.rollout.gpu_memory_utilization == 0.5
