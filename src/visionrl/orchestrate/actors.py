@@ -88,9 +88,9 @@ class LearnerActor:
 
         return free_address(ray.util.get_node_ip_address())
 
-    def setup(self, address: str) -> list[int]:
-        """Join the learners' group (nccl where this actor sees a GPU, else gloo) and load the model; returns
-        the vision token ids the engines must never sample."""
+    def setup(self, address: str) -> None:
+        """Join the learners' group (nccl where this actor sees a GPU, else gloo) and load the model. (The engines
+        take the vision token ids they must never sample from the checkpoint's config, before this is done.)"""
         import torch
 
         from visionrl.train.learner import Learner
@@ -105,7 +105,6 @@ class LearnerActor:
         ranks = join(self.rank, self.world, address, "nccl" if cuda else "gloo", fsdp=fsdp, timeout_s=timeout)
         with memory_guard("learner", "loading the model", self.cfg):
             self.learner = Learner(self.cfg, ranks=ranks)
-        return self.learner.forbidden.tolist()
 
     def warm_up(self) -> float:
         """`train.compile`: the decoder layers compiled for training now, beside the engines' start, not in step

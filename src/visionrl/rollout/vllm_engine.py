@@ -257,9 +257,8 @@ class VLLMEngine:
         engine = self._llm.llm_engine
         if faults.active("ignore_adapters"):
             return None  # generate() then runs the base model: the adapter never reaches the engine
-        with timed(
-            parts, "add"
-        ):  # vLLM's engine core reads the files and places the weights in its LoRA slots
+        # vLLM's engine core reads the files and places the weights in its LoRA slots
+        with timed(parts, "add"):
             added = engine.add_lora(req) and req.lora_int_id in engine.list_loras()
         if not added:
             raise RuntimeError(
