@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -200,7 +201,8 @@ def run_variant(name: str, args: argparse.Namespace, model: Path, data: Path, wo
     result.unlink(missing_ok=True)
     cmd = [sys.executable, __file__, "--one", name, "--model", str(model), "--data", str(data),
            "--json", str(result), "--size", args.size, *(["--smoke"] if args.smoke else []), *args.overrides]  # fmt: skip
-    proc = subprocess.run(cmd)
+    # torch touches CUDA in this child before vLLM starts its engine core, which a forked core cannot inherit
+    proc = subprocess.run(cmd, env={**os.environ, "VLLM_WORKER_MULTIPROC_METHOD": "spawn"})
     if proc.returncode != 0 or not result.exists():
         return {"variant": name, "status": f"failed (exit {proc.returncode}); its output is in the log"}
     row = json.loads(result.read_text())

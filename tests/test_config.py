@@ -711,4 +711,4 @@ def test_the_production_headers_80gb_setting_is_a_valid_job() -> None:
     assert overrides and all("=" in o for o in overrides), setting
     cfg = load_config(PRODUCTION, overrides)
     assert cfg.model.gradient_checkpointing and cfg.model.checkpoint_layers == 18
-    assert cfg.train.micro_batch_tokens == 4096 and cfg.rollout.gpu_memory_utilization == 0.35
+    assert cfg.train.micro_batch_tokens == 4096 and cfg.rollout.gpu_memory_utilization == 0.5
