@@ -14,7 +14,8 @@ Reported per size (benchmarks/results/gpu_grpo_step.json, and a table):
 - rollout_generated_tokens_per_s; weights_gib; peak GPU memory of the learner and the engine processes and of
   the whole device (sampled with nvidia-smi every 0.5 s);
 - the sync's profile (`sync_parts_s`): sync_load_s split into the learner's build of the adapter, its way to the
-  engine, the files written, vLLM's add_lora, the old version removed and the caches reset;
+  engine, the files written, vLLM's add_lora, the old version removed and the caches reset; and sync_check_s split
+  into the engines' fingerprint completions and the learner's scoring of them (`check_engine`, `check_learner`);
 - start-up: `train` called to step 1's start (`startup_s`; of it the actors' start, model loads and vLLM's
   compile, and the delivery check) and to the end of step 1 (`start_to_step1_end_s`). A second size or length in
   one call starts with the compile caches of the first (vLLM's, Inductor's): a warm start.
@@ -47,7 +48,7 @@ from typing import Any
 from lengths import histogram, read_lengths
 
 H200_BF16_FLOPS = 989e12
-SYNC_PARTS = ("build", "transfer", "write", "add", "remove", "reset")
+SYNC_PARTS = ("build", "transfer", "write", "add", "remove", "reset", "check_engine", "check_learner")
 JOB = "configs/qwen3vl_8b_grpo_lora.yaml"
 
 

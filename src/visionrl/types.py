@@ -83,6 +83,10 @@ class Generation:
     error: str | None = None
 
 
+# A file's contents: bytes, or a flat uint8 numpy array (the per-step adapter: Ray moves numpy arrays through its
+# object store without pickling them and hands them to readers on the same node without a copy).
+FileData = Any  # bytes | numpy.ndarray; anything `memoryview` takes
+
 # The files of a PEFT LoRA adapter that visionrl moves around (sync, checkpoints, export, evaluation).
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -95,9 +99,14 @@ class AdapterPayload:
     through Ray's object store to engines on other nodes, which write it to their own local disk."""
 
     version: int
-    files: dict[str, bytes]
+    files: dict[str, FileData]
     built_s: float = 0.0  # the learner's time to build it (the sync's profile: timing/sync_build_s)
     sent_at: float = 0.0  # wall clock when built: the engine's receipt minus this is timing/sync_transfer_s
+
+    def file_bytes(self, name: str) -> bytes:
+        """File `name` as bytes (the engines' copy of the weights is a numpy buffer: `FileData`)."""
+        data = self.files[name]
+        return data if isinstance(data, bytes) else bytes(memoryview(data))
 
 
 @dataclass(frozen=True)

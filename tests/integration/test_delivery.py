@@ -128,3 +128,23 @@ def test_silently_dropped_syncs_stop_the_run_and_name_the_engine(
     assert prints[0] < 1e-3, prints  # version 1 really reached the engine
     assert len(history) < 8 and prints[-1] > 0.01, prints
     assert prints == sorted(prints), prints  # the served version stays behind by one more update each step
+
+
+def test_the_engines_adapter_crosses_the_object_store_as_a_buffer_not_as_pickled_bytes(
+    shared_ray: object,
+) -> None:
+    """The per-step payload's weights are a numpy buffer: Ray stores it out of band and a reader on the same node
+    gets a read-only view of the store (no copy), with the same bytes."""
+    import numpy as np
+    import ray
+    import torch
+
+    from visionrl.adapter.packed import pack_safetensors
+    from visionrl.types import ADAPTER_WEIGHTS, AdapterPayload
+
+    weights = pack_safetensors({"a": torch.arange(1 << 18, dtype=torch.float32)})
+    payload = AdapterPayload(version=3, files={ADAPTER_WEIGHTS: weights})
+    got = ray.get(ray.put(payload))
+    arrived = got.files[ADAPTER_WEIGHTS]
+    assert isinstance(arrived, np.ndarray) and not arrived.flags.writeable and not arrived.flags.owndata
+    assert np.array_equal(arrived, weights) and got.file_bytes(ADAPTER_WEIGHTS) == weights.tobytes()

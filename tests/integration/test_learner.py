@@ -140,7 +140,7 @@ def test_adapter_holds_only_lora_weights(tiny_model: Path, color_data: Path) -> 
     from safetensors.torch import load
 
     learner = Learner(_cfg(tiny_model, color_data), device="cpu")
-    names = sorted(load(learner.adapter_payload().files["adapter_model.safetensors"]))
+    names = sorted(load(learner.adapter_payload().file_bytes("adapter_model.safetensors")))
     assert names and all(".lora_A." in n or ".lora_B." in n for n in names), names
     assert any("lm_head.lora_A" in n for n in names)
 
@@ -151,11 +151,14 @@ def test_engine_payload_uses_the_model_dtype_checkpoints_keep_float32(
     from safetensors.torch import load
 
     learner = Learner(_cfg(tiny_model, color_data, model={"dtype": "bfloat16"}), device="cpu")
-    engine_weights = load(learner.adapter_payload().files["adapter_model.safetensors"])
-    full_weights = load(learner.adapter_payload(for_engine=False).files["adapter_model.safetensors"])
+    engine_weights = load(learner.adapter_payload().file_bytes("adapter_model.safetensors"))
+    full_weights = load(learner.adapter_payload(for_engine=False).file_bytes("adapter_model.safetensors"))
     assert engine_weights.keys() == full_weights.keys()
     assert {t.dtype for t in engine_weights.values()} == {torch.bfloat16}
     assert {t.dtype for t in full_weights.values()} == {torch.float32}
+    # the engines' copy is the checkpoint's, rounded once to bfloat16
+    for name, weight in full_weights.items():
+        assert torch.equal(engine_weights[name], weight.to(torch.bfloat16)), name
 
 
 def test_entropy_bonus_raises_entropy_when_advantages_are_zero(tiny_model: Path, color_data: Path) -> None:

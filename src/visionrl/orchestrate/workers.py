@@ -320,13 +320,14 @@ class Workers:
         t0 = time.perf_counter()
         version, parts = self._recovering(attempt)
         t1 = time.perf_counter()
-        diffs = self._fingerprint()
+        diffs = self._fingerprint(parts)
         return Synced(version, diffs, t1 - t0, time.perf_counter() - t1, parts)
 
-    def _fingerprint(self) -> list[float]:
+    def _fingerprint(self, parts: dict[str, float] | None = None) -> list[float]:
         """Each engine's greedy completion of the fingerprint prompt under the version it serves, scored by the
         learner, which holds that version until its next update: mean |engine - learner| log-prob per token.
-        An engine that rebuilt itself since the last fingerprint is probed again first."""
+        An engine that rebuilt itself since the last fingerprint is probed again first. Into `parts`: the
+        seconds of the engines' completions (`check_engine`) and of the learner's scoring (`check_learner`)."""
         prompt = self._probe_prompts[0]
 
         def attempt() -> list[tuple[Completion | None, int]]:
@@ -336,7 +337,9 @@ class Workers:
             ]
             return self._get(calls, "the adapter fingerprint")
 
+        t = time.perf_counter()
         got = self._recovering(attempt)
+        engine_s = time.perf_counter() - t
         rebuilt = [i for i, (_, count) in enumerate(got) if count > self._rebuilds[i]]
         if rebuilt:
             self._probe(rebuilt, "after the engine rebuilt itself")
@@ -346,7 +349,10 @@ class Workers:
                 "rollout engine(s) %s rebuilt after an internal error: adapter delivery verified", rebuilt
             )
         batch, owners = scoring_batch([prompt], [[[c] if c is not None else []] for c, _ in got])
+        t = time.perf_counter()
         learner = self.learners.logprobs(batch, temperature=1.0)
+        if parts is not None:
+            parts.update(check_engine=engine_s, check_learner=time.perf_counter() - t)
         return diffs_by_engine(owners, [seq.sampling_logprobs for seq in batch.sequences], learner, len(got))
 
     # 7. evaluate

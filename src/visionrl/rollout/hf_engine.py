@@ -156,10 +156,10 @@ class HFEngine:
                     if "lora_B" in n:
                         p.zero_()
         else:
-            weights = as_a_faulty_engine_applies(payload).files[ADAPTER_WEIGHTS]
+            weights = as_a_faulty_engine_applies(payload).file_bytes(ADAPTER_WEIGHTS)
             result = set_peft_model_state_dict(self.model, load_safetensors(weights))
             if getattr(result, "unexpected_keys", None):
-                cfg = json.loads(payload.files[ADAPTER_CONFIG])
+                cfg = json.loads(payload.file_bytes(ADAPTER_CONFIG))
                 raise ValueError(
                     f"adapter v{payload.version} does not fit this engine's LoRA layout "
                     f"(unexpected {result.unexpected_keys[:3]}...; adapter targets {cfg.get('target_modules')})"

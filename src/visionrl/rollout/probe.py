@@ -35,7 +35,7 @@ def as_a_faulty_engine_applies(payload: AdapterPayload) -> AdapterPayload:
         return payload
     from safetensors.torch import load, save
 
-    weights = load(payload.files[ADAPTER_WEIGHTS])
+    weights = load(payload.file_bytes(ADAPTER_WEIGHTS))
     for key, w in weights.items():
         if "lora_B" in key:
             weights[key] = w * 0 if skip and in_vision_tower(key) else w * 2 if twice else w

@@ -15,13 +15,15 @@ from typing import Any
 
 import torch
 
+from visionrl.adapter.packed import pack_safetensors
 from visionrl.errors import InputError
 from visionrl.models.loader import lora_param_groups
 from visionrl.train.ranks import adapter_file_key, full_optimizer_state, full_tensor, load_sharded_state
-from visionrl.types import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterPayload
+from visionrl.types import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterPayload, FileData
 
 # `learner` below is a visionrl.train.learner.Learner (not imported: that module imports this one).
 Learner = Any
+_PT = {"format": "pt"}  # the metadata torch's safetensors files carry
 
 
 @dataclass(frozen=True)
@@ -42,8 +44,8 @@ def adapter_config_bytes(model: Any) -> bytes:
     return json.dumps(config, indent=2, sort_keys=True).encode()
 
 
-def adapter_weights_bytes(model: Any, for_engine: bool) -> bytes:
-    """The LoRA weights as a safetensors file. peft keeps them in float32; engines compute in the model's dtype
+def adapter_weights_bytes(model: Any, for_engine: bool) -> FileData:
+    """The LoRA weights as a safetensors file (for the engines a numpy buffer: `pack_safetensors`). peft keeps them in float32; engines compute in the model's dtype
     anyway, so the per-step sync sends that dtype: half the bytes (an 8B model's r64 adapter: 666 -> 333 MiB),
     cast on the device before the copy to the host. Checkpoints and the exported adapter keep float32."""
     from peft import get_peft_model_state_dict
@@ -51,8 +53,10 @@ def adapter_weights_bytes(model: Any, for_engine: bool) -> bytes:
 
     dtype = model.dtype if for_engine else torch.float32
     state = get_peft_model_state_dict(model, save_embedding_layers=False)
+    if for_engine:  # the per-step sync: one copy to the host, a buffer Ray moves without pickling it
+        return pack_safetensors({k: full_tensor(v.detach()).to(dtype) for k, v in state.items()}, _PT)
     weights = {k: full_tensor(v.detach()).to(dtype).cpu().contiguous() for k, v in state.items()}
-    return save(weights, metadata={"format": "pt"})
+    return save(weights, metadata=_PT)
 
 
 def trainer_state_bytes(learner: Learner) -> bytes:
