@@ -14,6 +14,11 @@ Variants (`--variants`, comma-separated; default all):
   seqs_N      rollout.vllm_engine_args max_num_seqs=N (N: 256, 512, 1024)
   tokens_N    rollout.vllm_engine_args max_num_batched_tokens=N (N: 8192, 16384, 32768)
   share_X     rollout.gpu_memory_utilization=X (0.35 is the 80 GB setting's)
+  lora_graphs vLLM's CUDA graphs captured with LoRA only (`cudagraph_specialize_lora: false`; by default it
+              captures every graph twice, with and without an active LoRA, and the job always has one): the
+              engine's start
+  dual_stream vLLM's LoRA on a second CUDA stream beside the base layer's GEMM (VLLM_LORA_ENABLE_DUAL_STREAM=1,
+              with programmatic dependent launch on Hopper): what of LoRA's cost overlaps
 
 On a CUDA machine with vLLM, from the repository root:
     PYTHONPATH=src python benchmarks/gpu_rollout.py [--size 64x8x512] [--variants job,no_lora,seqs_512]
@@ -44,7 +49,11 @@ VARIANTS = [
     "tokens_8192",
     "tokens_16384",
     "tokens_32768",
+    "lora_graphs",
+    "dual_stream",
 ]
+# Variants that are an environment variable of the engine's process, not a job setting
+VARIANT_ENV = {"dual_stream": {"VLLM_LORA_ENABLE_DUAL_STREAM": "1"}}
 
 
 def variant_overrides(name: str) -> list[str]:
@@ -56,7 +65,9 @@ def variant_overrides(name: str) -> list[str]:
         return [f"rollout.vllm_engine_args={{max_num_batched_tokens: {int(value)}}}"]
     if kind == "share":
         return [f"rollout.gpu_memory_utilization={float(value)}"]
-    if name in ("job", "no_lora"):
+    if name == "lora_graphs":
+        return ["rollout.vllm_engine_args={compilation_config: {cudagraph_specialize_lora: false}}"]
+    if name in ("job", "no_lora", *VARIANT_ENV):
         return []
     raise SystemExit(f"unknown variant {name!r}: job, no_lora, seqs_N, tokens_N or share_X")
 
@@ -126,7 +137,8 @@ def one_variant(args: argparse.Namespace) -> dict[str, Any]:
         engine.close()
     generated = sum(len(c.token_ids) for group_out in out for c in group_out)
     return {"variant": args.one, "engine_start_s": start_s, "batch_s": batch_s, "generated_tokens": generated,
-            "generated_tokens_per_s": generated / batch_s, "overrides": variant_overrides(args.one)}  # fmt: skip
+            "generated_tokens_per_s": generated / batch_s, "overrides": variant_overrides(args.one),
+            "env": VARIANT_ENV.get(args.one, {})}  # fmt: skip
 
 
 def main() -> None:
@@ -202,7 +214,8 @@ def run_variant(name: str, args: argparse.Namespace, model: Path, data: Path, wo
     cmd = [sys.executable, __file__, "--one", name, "--model", str(model), "--data", str(data),
            "--json", str(result), "--size", args.size, *(["--smoke"] if args.smoke else []), *args.overrides]  # fmt: skip
     # torch touches CUDA in this child before vLLM starts its engine core, which a forked core cannot inherit
-    proc = subprocess.run(cmd, env={**os.environ, "VLLM_WORKER_MULTIPROC_METHOD": "spawn"})
+    env = {**os.environ, "VLLM_WORKER_MULTIPROC_METHOD": "spawn", **VARIANT_ENV.get(name, {})}
+    proc = subprocess.run(cmd, env=env)
     if proc.returncode != 0 or not result.exists():
         return {"variant": name, "status": f"failed (exit {proc.returncode}); its output is in the log"}
     row = json.loads(result.read_text())

@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from gpu_rollout import VARIANTS, variant_overrides
+from gpu_rollout import VARIANT_ENV, VARIANTS, variant_overrides
 
 
 def test_each_variant_is_one_engine_setting() -> None:
@@ -19,6 +19,9 @@ def test_each_variant_is_one_engine_setting() -> None:
     assert variant_overrides("seqs_512") == ["rollout.vllm_engine_args={max_num_seqs: 512}"]
     assert variant_overrides("tokens_16384") == ["rollout.vllm_engine_args={max_num_batched_tokens: 16384}"]
     assert variant_overrides("share_0.5") == ["rollout.gpu_memory_utilization=0.5"]
+    assert variant_overrides("lora_graphs") == [
+        "rollout.vllm_engine_args={compilation_config: {cudagraph_specialize_lora: false}}"
+    ]
     assert all(isinstance(variant_overrides(v), list) for v in VARIANTS)  # the default list is all valid
     with pytest.raises(SystemExit, match="unknown variant 'fast'"):
         variant_overrides("fast")
@@ -30,3 +33,17 @@ def test_the_overrides_load_into_the_production_job() -> None:
     job = Path(__file__).resolve().parents[2] / "configs" / "qwen3vl_8b_grpo_lora.yaml"
     cfg = load_config(job, variant_overrides("seqs_512") + variant_overrides("share_0.5"))
     assert cfg.rollout.vllm_engine_args == {"max_num_seqs": 512} and cfg.rollout.gpu_memory_utilization == 0.5
+
+
+def test_the_lora_graphs_variant_reaches_the_engine_as_vllm_reads_it() -> None:
+    from visionrl.config import load_config
+
+    job = Path(__file__).resolve().parents[2] / "configs" / "qwen3vl_8b_grpo_lora.yaml"
+    cfg = load_config(job, variant_overrides("lora_graphs"))
+    assert cfg.rollout.vllm_engine_args == {"compilation_config": {"cudagraph_specialize_lora": False}}
+
+
+def test_the_dual_stream_variant_is_the_engines_environment_not_the_job() -> None:
+    assert variant_overrides("dual_stream") == []
+    assert VARIANT_ENV["dual_stream"] == {"VLLM_LORA_ENABLE_DUAL_STREAM": "1"}
+    assert set(VARIANT_ENV) <= set(VARIANTS)
