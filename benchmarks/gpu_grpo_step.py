@@ -45,6 +45,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from grpo_targets import print_targets, targets
 from lengths import histogram, read_lengths
 
 H200_BF16_FLOPS = 989e12
@@ -410,59 +411,6 @@ def attach_trl(report: dict[str, Any]) -> None:
             row[key] = peer[key]
         row["learner_tokens_per_s_vs_trl"] = row["learner_tokens_per_s"] / peer["trl_learner_tokens_per_s"]
         row["step_speedup_vs_trl"] = peer["trl_step_s"] / row["step_s"]
-
-
-# The targets of the work on the GPU path, at 64 x 8 x 512 on one H200 unless a TRL row sets the size, and what
-# explains a miss where the shipped setting misses one on purpose (benchmarks/NOTES-gpu-learner.md).
-TOKENS_PER_S_PER_GPU_MIN = 9000.0  # equal lengths
-TOKENS_PER_S_PER_GPU_SPREAD_MIN = 8500.0  # each completion its own length (--lengths spread)
-LEARNER_VS_TRL_MIN = 2.5
-EXTRA_MEM_VS_TRL_MAX = 0.5
-WHY_MEMORY = (
-    "by design: the learner takes the memory the sleeping engine frees (no activation recompute, 8192-token "
-    "micro-batches: that is the update's speed); TRL recomputes activations in about 6k-token micro-batches. "
-    "model.gradient_checkpointing: true is the lean setting (an 80 GB GPU)"
-)
-
-
-def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each target with the measured value and met / missed; a missed one names what explains it. Memory beyond
-    the frozen weights: the learner process's peak minus the bf16 weights, against what TRL's training adds above
-    its resident weights and engine."""
-    weights = float(report["setup"]["weights_gib"])
-    rows = {r["size"]: r for r in report["results"]}
-    out: list[dict[str, Any]] = []
-
-    def add(name: str, size: str, value: float, bound: float, at_most: bool, why: str = "") -> None:
-        met = value <= bound if at_most else value >= bound
-        out.append(
-            {"target": name, "size": size, "value": value, "bound": bound, "met": met}
-            | ({} if met else {"why": why or "not explained yet"})
-        )
-
-    for size, bound in (
-        ("64x8x512", TOKENS_PER_S_PER_GPU_MIN),
-        ("64x8x512 spread", TOKENS_PER_S_PER_GPU_SPREAD_MIN),
-    ):
-        if size in rows:
-            add("tokens_per_s_per_gpu", size, rows[size]["tokens_per_s_per_gpu"], bound, False)
-    trl = {r["size"]: r for r in report.get("trl", []) if "trl_learner_tokens_per_s" in r}
-    for size, peer in trl.items():
-        row = rows.get(size)
-        if row is None:
-            continue
-        ratio = row["learner_tokens_per_s"] / peer["trl_learner_tokens_per_s"]
-        add("learner_tokens_per_s_vs_trl", size, ratio, LEARNER_VS_TRL_MIN, False)
-        peak = row["peak_mem_gib"].get("LearnerActor", row["peak_mem_gib"].get("learner_torch_reserved", 0.0))
-        extra = (peak - weights) / peer["trl_training_extra_gib"]
-        add("memory_beyond_weights_vs_trl", size, extra, EXTRA_MEM_VS_TRL_MAX, True, WHY_MEMORY)
-    return out
-
-
-def print_targets(rows: list[dict[str, Any]]) -> None:
-    for t in rows:
-        verdict = "met" if t["met"] else f"MISSED ({t['why']})"
-        print(f"target {t['target']} at {t['size']}: {t['value']:.3g} against {t['bound']:g}: {verdict}")
 
 
 def print_table(results: list[dict[str, Any]]) -> None:

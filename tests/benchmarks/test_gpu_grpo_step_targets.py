@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import gpu_grpo_step
+import grpo_targets as gpu_grpo_step
 
 
 def _report(spread: float, tokens: float, learner: float, peak: float) -> dict:  # type: ignore[type-arg]
@@ -54,3 +54,38 @@ def test_committed_results_name_each_target() -> None:
     report = json.loads(path.read_text())
     assert report["targets"] == gpu_grpo_step.targets(report)  # the file's verdicts follow from its numbers
     assert all(t["met"] or t["why"] for t in report["targets"])
+
+
+def _full_row(**over: object) -> dict:  # type: ignore[type-arg]
+    row = {
+        "size": "64x8x512", "tokens_per_s_per_gpu": 6000.0, "step_s": 60.0, "rollout_s": 18.0, "update_s": 40.0,
+        "sync_s": 1.5, "rollout_generated_tokens_per_s": 14500.0, "learner_tokens_per_s": 9600.0,
+        "sync_parts_s": {"build": 0.5, "add": 0.15}, "sync_load_s": 1.25, "sync_check_s": 0.25,
+        "startup_s": 100.0, "start_actors_s": 80.0, "delivery_check_s": 12.0, "start_to_step1_end_s": 190.0,
+    }  # fmt: skip
+    return row | over
+
+
+def test_a_miss_names_the_rows_own_profile() -> None:
+    report = {"setup": {"weights_gib": 16.0}, "results": [_full_row()]}
+    got = {t["target"]: t for t in gpu_grpo_step.targets(report)}
+    assert not any(t["met"] for t in got.values())
+    # 9,000 tokens/s/GPU needs the step's 60 s x 6,000 / 9,000 = 40.0 s
+    assert got["tokens_per_s_per_gpu"]["why"].startswith(
+        "step 60.0 s = rollout 18.0 s (14,500 generated tokens/s) + update 40.0 s (9,600 learner tokens/s) + "
+        "sync 1.50 s + the rest"
+    )
+    assert got["tokens_per_s_per_gpu"]["why"].endswith("9,000 needs a step of at most 40.0 s")
+    assert got["rollout_generated_tokens_per_s"]["value"] == 14500.0
+    assert "gpu_rollout.py" in got["rollout_generated_tokens_per_s"]["why"]
+    assert got["sync_s"]["why"] == "load 1.25 s + check 0.25 s; parts (s): build 0.50, add 0.15"
+    assert got["start_to_step1_end_s"]["why"].startswith(
+        "start-up 100 s (actors and model loads 80 s, delivery check 12 s) + step 1 90 s"
+    )
+
+
+def test_sync_and_startup_bounds_are_inclusive() -> None:
+    row = _full_row(sync_s=0.5, start_to_step1_end_s=180.0, rollout_generated_tokens_per_s=18000.0)
+    got = {t["target"]: t for t in gpu_grpo_step.targets({"setup": {"weights_gib": 16.0}, "results": [row]})}
+    assert got["sync_s"]["met"] and got["start_to_step1_end_s"]["met"]
+    assert got["rollout_generated_tokens_per_s"]["met"] and not got["tokens_per_s_per_gpu"]["met"]
