@@ -144,7 +144,9 @@ class VLLMEngine:
             t = time.perf_counter()
             llm.sleep(level=1)
             llm.wake_up()
-            logger.info("vLLM's sleep mode warmed up (a sleep and a wake-up): %.1f s", time.perf_counter() - t)
+            logger.info(
+                "vLLM's sleep mode warmed up (a sleep and a wake-up): %.1f s", time.perf_counter() - t
+            )
         if self._lora is not None:
             llm.llm_engine.add_lora(self._lora)
         return llm
