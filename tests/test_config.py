@@ -686,6 +686,20 @@ def test_the_env_section_is_checked_at_validation() -> None:
     assert "rewards: list at least one reward" in config_error({**MINIMAL, "rewards": []})
 
 
+def test_vllm_env_is_written_as_strings_and_names_are_checked() -> None:
+    assert config_from_dict(MINIMAL).rollout.vllm_env == {}
+    over = ["rollout.vllm_env={VLLM_LORA_ENABLE_DUAL_STREAM: 1, VLLM_LORA_DISABLE_PDL: false, VLLM_X: on}"]
+    cfg = config_from_dict(apply_overrides(MINIMAL, over))
+    # YAML reads 1 as a number and false as a boolean (on stays a word): the process gets 1, 0 and on
+    assert cfg.rollout.vllm_env == {
+        "VLLM_LORA_ENABLE_DUAL_STREAM": "1",
+        "VLLM_LORA_DISABLE_PDL": "0",
+        "VLLM_X": "on",
+    }
+    msg = config_error(MINIMAL, ["rollout.vllm_env={'VLLM LORA': 1}"])
+    assert "['VLLM LORA'] are not environment variable names" in msg
+
+
 def test_vllm_engine_args_pass_through_but_not_what_visionrl_sets() -> None:
     assert config_from_dict(MINIMAL).rollout.vllm_engine_args == {}
     cfg = config_from_dict(

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from visionrl.config_yaml import Section
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 # vLLM engine arguments visionrl derives from the job: given in rollout.vllm_engine_args, they would silently
 # disagree with the learner (dtype, lengths, images, LoRA shape, log-prob semantics); the key to set instead.
@@ -87,6 +90,25 @@ class RolloutConfig(Section):
         "benchmarks/NOTES-gpu-learner.md. The ones visionrl sets from other keys are refused here "
         "(RESERVED_ENGINE_ARGS): set those keys instead.",
     )
+
+    vllm_env: dict[str, str] = Field(
+        default_factory=dict,
+        description="Environment variables of the engines' processes: vLLM reads some settings only there, e.g. "
+        "{VLLM_LORA_ENABLE_DUAL_STREAM: 1} (LoRA's kernels on a second CUDA stream beside the base layer's; "
+        "benchmarks/gpu_rollout.py measures it as dual_stream). Values are written as strings, true/false as 1/0.",
+    )
+
+    @field_validator("vllm_env", mode="before")
+    @classmethod
+    def env_as_strings(cls, value: Any) -> Any:
+        if not isinstance(value, dict):
+            return value
+        bad = [k for k in value if not isinstance(k, str) or not _ENV_NAME.fullmatch(k)]
+        if bad:
+            raise ValueError(
+                f"rollout.vllm_env: {bad} are not environment variable names (letters, digits, _)"
+            )
+        return {k: ("1" if v else "0") if isinstance(v, bool) else str(v) for k, v in value.items()}
 
     @model_validator(mode="after")
     def validate_engine_args(self) -> RolloutConfig:

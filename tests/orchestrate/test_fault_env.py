@@ -36,3 +36,27 @@ def test_the_fault_variables_join_an_actors_own_environment(monkeypatch: pytest.
         "env_vars": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "VISIONRL_FAULTS": "kill_learner"}
     }
     assert engine["runtime_env"] == {"env_vars": {"VISIONRL_FAULTS": "kill_learner"}}
+
+
+def test_rollout_vllm_env_reaches_each_engine_beside_the_fault_variables(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from visionrl.config import config_from_dict
+    from visionrl.orchestrate.actors import _engine_options
+
+    monkeypatch.setenv("VISIONRL_FAULTS", "kill_engine")
+    monkeypatch.delenv("VISIONRL_FAULTS_DIR", raising=False)
+    cfg = config_from_dict(
+        {
+            "output_dir": "run",
+            "model": {"path": "m"},
+            "data": {"train": "t.jsonl"},
+            "rewards": [{"name": "exact_match"}],
+            "rollout": {"num_engines": 2, "vllm_env": {"VLLM_LORA_ENABLE_DUAL_STREAM": 1}},
+        }
+    )
+    engines = _engine_options(cfg)
+    with_actor_env(engines)
+    want = {"VLLM_LORA_ENABLE_DUAL_STREAM": "1", "VISIONRL_FAULTS": "kill_engine"}
+    assert [e["runtime_env"]["env_vars"] for e in engines] == [want, want]
+    assert engines[0]["runtime_env"] is not engines[1]["runtime_env"]  # each engine its own

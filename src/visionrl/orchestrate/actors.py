@@ -300,10 +300,17 @@ def placement() -> dict[str, Any]:
 def _engine_options(cfg: JobConfig) -> list[dict[str, Any]]:
     # max_restarts: Ray rebuilds a dead (or killed, because hung) engine in place, same arguments and placement;
     # `Workers` counts the restarts of the run against the same limit and re-syncs the adapter.
-    return [
-        {"num_cpus": 0, "num_gpus": cfg.rollout.gpus_per_engine, "max_restarts": cfg.ray.max_actor_restarts}
-        for _ in range(cfg.rollout.num_engines)
-    ]
+    options: list[dict[str, Any]] = []
+    for _ in range(cfg.rollout.num_engines):
+        opts: dict[str, Any] = {
+            "num_cpus": 0,
+            "num_gpus": cfg.rollout.gpus_per_engine,
+            "max_restarts": cfg.ray.max_actor_restarts,
+        }
+        if cfg.rollout.vllm_env:  # the settings vLLM reads from its process's environment
+            opts["runtime_env"] = {"env_vars": dict(cfg.rollout.vllm_env)}
+        options.append(opts)
+    return options
 
 
 def _start_engine(
