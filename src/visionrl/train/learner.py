@@ -459,8 +459,9 @@ class Learner:
 
     # ------------------------------------------------------------------ adapter out
     def adapter_payload(self, for_engine: bool = True) -> AdapterPayload:
-        """The current adapter as file bytes: for engines (possibly on other nodes), or in full precision
-        (`for_engine=False`) for checkpoints. Built in memory, no disk: the per-step sync is on the hot path.
+        """The current adapter's files: for engines (possibly on other nodes; the weights in one host buffer that
+        Ray moves without pickling, `adapter.packed`), or in full precision (`for_engine=False`) for checkpoints.
+        Built in memory, no disk: the per-step sync is on the hot path.
         With FSDP every rank must call it (the whole weights are gathered); rank 0's is sent."""
         if self._adapter_config is None:  # the config never changes during a run: written once
             self._adapter_config = learner_state.adapter_config_bytes(self.model)
