@@ -83,7 +83,8 @@ class Synced:
     fingerprint_diffs: list[float]
     load_s: float = 0.0  # the adapter to every engine and loaded there
     check_s: float = 0.0  # the fingerprint: each engine's greedy completion, scored by the learner
-    # load_s's parts, the slowest engine's each: the learner's build, the way to the engine, the engine's parts
+    # the slowest engine's seconds of each part: load_s's (the learner's build, the way to the engine, the
+    # engine's own parts) and check_s's (the engines' fingerprint completions, the learner's scoring)
     parts: dict[str, float] = field(default_factory=dict)
 
 
@@ -320,14 +321,14 @@ class Workers:
         t0 = time.perf_counter()
         version, parts = self._recovering(attempt)
         t1 = time.perf_counter()
-        diffs = self._fingerprint(parts)
-        return Synced(version, diffs, t1 - t0, time.perf_counter() - t1, parts)
+        diffs, check_parts = self._fingerprint()
+        return Synced(version, diffs, t1 - t0, time.perf_counter() - t1, {**parts, **check_parts})
 
-    def _fingerprint(self, parts: dict[str, float] | None = None) -> list[float]:
+    def _fingerprint(self) -> tuple[list[float], dict[str, float]]:
         """Each engine's greedy completion of the fingerprint prompt under the version it serves, scored by the
         learner, which holds that version until its next update: mean |engine - learner| log-prob per token.
-        An engine that rebuilt itself since the last fingerprint is probed again first. Into `parts`: the
-        seconds of the engines' completions (`check_engine`) and of the learner's scoring (`check_learner`)."""
+        An engine that rebuilt itself since the last fingerprint is probed again first. Also the seconds of the
+        engines' completions (`check_engine`) and of the learner's scoring (`check_learner`)."""
         prompt = self._probe_prompts[0]
 
         def attempt() -> list[tuple[Completion | None, int]]:
@@ -351,9 +352,9 @@ class Workers:
         batch, owners = scoring_batch([prompt], [[[c] if c is not None else []] for c, _ in got])
         t = time.perf_counter()
         learner = self.learners.logprobs(batch, temperature=1.0)
-        if parts is not None:
-            parts.update(check_engine=engine_s, check_learner=time.perf_counter() - t)
-        return diffs_by_engine(owners, [seq.sampling_logprobs for seq in batch.sequences], learner, len(got))
+        seconds = {"check_engine": engine_s, "check_learner": time.perf_counter() - t}
+        diffs = diffs_by_engine(owners, [seq.sampling_logprobs for seq in batch.sequences], learner, len(got))
+        return diffs, seconds
 
     # 7. evaluate
     def evaluate(self, prompts: list[PromptItem]) -> float | None:

@@ -45,9 +45,10 @@ def adapter_config_bytes(model: Any) -> bytes:
 
 
 def adapter_weights_bytes(model: Any, for_engine: bool) -> FileData:
-    """The LoRA weights as a safetensors file (for the engines a numpy buffer: `pack_safetensors`). peft keeps them in float32; engines compute in the model's dtype
-    anyway, so the per-step sync sends that dtype: half the bytes (an 8B model's r64 adapter: 666 -> 333 MiB),
-    cast on the device before the copy to the host. Checkpoints and the exported adapter keep float32."""
+    """The LoRA weights as a safetensors file (for the engines a numpy buffer: `pack_safetensors`). peft keeps
+    them in float32; engines compute in the model's dtype anyway, so the per-step sync sends that dtype: half the
+    bytes (an 8B model's r64 adapter: 666 -> 333 MiB), cast on the device before the copy to the host. Checkpoints
+    and the exported adapter keep float32."""
     from peft import get_peft_model_state_dict
     from safetensors.torch import save
 
