@@ -15,7 +15,8 @@ Reported per size (benchmarks/results/gpu_grpo_step.json, and a table):
   the whole device (sampled with nvidia-smi every 0.5 s);
 - the sync's profile (`sync_parts_s`): sync_load_s split into the learner's build of the adapter, its way to the
   engine, the files written, vLLM's add_lora, the old version removed and the caches reset; and sync_check_s split
-  into the engines' fingerprint completions and the learner's scoring of them (`check_engine`, `check_learner`);
+  into the engines' fingerprint and the learner's scoring after it (`check_engine`; `check_learner`, 0 once the
+  continuation is fixed at start-up: the learner then scores it during the load);
 - start-up: `train` called to step 1's start (`startup_s`; of it the actors' start, model loads and vLLM's
   compile, and the delivery check) and to the end of step 1 (`start_to_step1_end_s`). A second size or length in
   one call starts with the compile caches of the first (vLLM's, Inductor's): a warm start.

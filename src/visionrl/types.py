@@ -176,9 +176,12 @@ class RolloutEngine(SteppingEngine, Protocol):
         of the version served (no change: the adapter does not reach the model). The served version stays."""
         ...
 
-    def fingerprint(self, prompt: PromptItem, max_tokens: int) -> Completion | None:
+    def fingerprint(
+        self, prompt: PromptItem, max_tokens: int, continuation: list[int] | None = None
+    ) -> Completion | None:
         """The greedy completion of `prompt` under the version served (None if the engine rejects it), leaving
-        nothing behind that could change later generations (caches)."""
+        nothing behind that could change later generations (caches). With `continuation`: those tokens after
+        `prompt` instead, teacher-forced in one prefill, with their raw log-probs (no token removed)."""
         ...
 
     def judge(self, prompts: list[PromptItem], ask: JudgeAsk) -> list[float | str | None]:

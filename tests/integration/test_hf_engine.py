@@ -102,3 +102,52 @@ def test_the_judge_is_the_base_model_and_the_served_adapter_stays(
         with torch.no_grad():
             logits = base.model(**enc).logits[0, -1, [*ask.yes_ids, *ask.no_ids]]
         assert share == pytest.approx(float(torch.softmax(logits, -1)[0]), abs=1e-5)
+
+
+def test_a_teacher_forced_fingerprint_is_what_the_learner_scores_raw(
+    tiny_model: Path, color_data: Path
+) -> None:
+    """The fingerprint's fixed continuation: the engine teacher-forces a greedy completion in one forward and gives
+    its raw log-probs (over the whole vocabulary), which the learner's `raw` log-probs equal in float32 under the
+    same adapter. The greedy completion's own log-probs leave the vision tokens out, so each is the raw one plus
+    -log(1 - their share), above it at every token."""
+    from visionrl.config import config_from_dict
+    from visionrl.data import load_dataset
+    from visionrl.data.prompts import build_prompt
+    from visionrl.models.sequences import Sequence
+    from visionrl.train.learner import Learner, TrainBatch
+
+    cfg = config_from_dict(
+        {
+            "output_dir": "unused",
+            "model": {"path": str(tiny_model), "dtype": "float32"},
+            "data": {"train": str(color_data / "train.jsonl")},
+            "rewards": [{"name": "exact_match"}],
+            "lora": {"rank": 8, "train_merger": True},
+        }
+    )
+    learner = Learner(cfg, device="cpu")
+    with torch.no_grad():  # an adapter that moves the model, sent to the engine as each sync sends it
+        for name, p in learner.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.3, generator=torch.Generator().manual_seed(4))
+    engine = HFEngine(
+        str(tiny_model),
+        lora=LoraConfig(rank=8, train_merger=True),
+        forbidden_token_ids=learner.forbidden.tolist(),
+        device="cpu",
+    )
+    engine.load_adapter(learner.adapter_payload())
+    ds = load_dataset(color_data / "eval.jsonl")
+    for i in range(2):
+        prompt = build_prompt(ds[i], engine.processor)
+        greedy = engine.fingerprint(prompt, 6)
+        assert greedy is not None and len(greedy.token_ids) >= 2
+        forced = engine.fingerprint(prompt, 6, greedy.token_ids)
+        assert forced is not None and forced.token_ids == greedy.token_ids
+        seq = Sequence(prompt=0, completion_ids=greedy.token_ids, advantage=0.0, sampling_logprobs=[0.0] * 6)
+        raw = learner.logprobs(TrainBatch([prompt], [seq]), temperature=1.0, raw=True)[0]
+        kept = learner.logprobs(TrainBatch([prompt], [seq]), temperature=1.0)[0]
+        torch.testing.assert_close(torch.tensor(forced.logprobs), torch.tensor(raw), rtol=0, atol=1e-5)
+        torch.testing.assert_close(torch.tensor(greedy.logprobs), torch.tensor(kept), rtol=0, atol=1e-5)
+        assert all(k > r for k, r in zip(kept, raw, strict=True)), (kept, raw)

@@ -142,8 +142,10 @@ def test_two_steps_through_ray_write_the_tensorboard_tags_and_resume(
     parts = [first[f"timing/sync_{name}_s"] for name in names]
     assert min(parts) >= 0 and first["timing/sync_add_s"] > 0
     assert sum(parts) <= first["timing/sync_load_s"] + 0.01
-    check = [first["timing/sync_check_engine_s"], first["timing/sync_check_learner_s"]]
-    assert min(check) > 0 and sum(check) <= first["timing/sync_check_s"]  # the fingerprint's two halves
+    # the fingerprint: the continuation fixed at start-up is teacher-forced by the engines, and the learner scored
+    # it during the load, so none of the check is the learner's
+    assert 0 < first["timing/sync_check_engine_s"] <= first["timing/sync_check_s"]
+    assert first["timing/sync_check_learner_s"] == 0.0 and first["rollout/fingerprint_diff"] < 1e-3
     tags = read_tags(tmp_path / "run" / "tensorboard")
     scalars = read_scalars(tmp_path / "run" / "tensorboard")
     missing = [t for t in REQUIRED_SCALARS if t not in scalars]

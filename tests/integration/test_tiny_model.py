@@ -324,6 +324,20 @@ def adapter_payload(model: Any, out: Path, version: int) -> Any:
     return AdapterPayload(version=version, files=files)
 
 
+def hf_raw_logprobs(
+    model: Any, processor: Any, rgb: tuple[int, int, int], continuation: list[int]
+) -> list[float]:
+    """Log-softmax over the whole vocabulary of each `continuation` token after the image prompt (transformers)."""
+    enc = encode(processor, rgb)
+    tail = torch.tensor([continuation])
+    enc["input_ids"] = torch.cat([enc["input_ids"], tail], 1)
+    enc["attention_mask"] = torch.cat([enc["attention_mask"], torch.ones_like(tail)], 1)
+    enc["mm_token_type_ids"] = torch.cat([enc["mm_token_type_ids"], torch.zeros_like(tail)], 1)
+    n = len(continuation)
+    lps = torch.log_softmax(logits(model, enc)[0, -n - 1 : -1].float(), -1)
+    return lps.gather(1, tail.T).squeeze(1).tolist()
+
+
 def hf_greedy(model: Any, processor: Any, forbidden: list[int], max_tokens: int) -> list[list[int]]:
     out = []
     for rgb in IMAGE_COLORS:
@@ -398,6 +412,9 @@ def test_vllm_serves_the_tiny_model_with_lm_and_merger_lora(tiny_model: Path, tm
         assert [g[0].token_ids for g in engine.generate(prompts, spec)] == [
             g[0].token_ids for g in outputs["v2"]
         ]
+        # The fingerprint under v2: greedy, then its tokens teacher-forced in one prefill (raw log-probs)
+        greedy = [engine.fingerprint(p, 8) for p in prompts]
+        forced = [engine.fingerprint(p, 8, c.token_ids) for p, c in zip(prompts, greedy, strict=True) if c]
         # An internal error in a batch: the old engine is shut down first, a new one built with the adapter it
         # served, and the batch retried once; the rebuild is counted (the loop probes a rebuilt engine again).
         old, shut = engine._llm, []
@@ -429,6 +446,13 @@ def test_vllm_serves_the_tiny_model_with_lm_and_merger_lora(tiny_model: Path, tm
     # Greedy tokens equal transformers + peft for the base and for the merger-only adapter (fp32).
     assert tokens["base"] == hf_greedy(base, processor, forbidden, 8)
     assert tokens["v2"] == hf_greedy(merger, processor, forbidden, 8)
+    # The teacher-forced fingerprint: vLLM's prompt log-probs of the greedy tokens are transformers' over the whole
+    # vocabulary (fp32); the greedy ones leave the vision tokens out, so they are never below them.
+    assert [c.token_ids for c in greedy if c] == tokens["v2"] == [c.token_ids for c in forced if c]
+    for rgb, g, f in zip(IMAGE_COLORS, greedy, forced, strict=True):
+        assert g is not None and f is not None
+        assert f.logprobs == pytest.approx(hf_raw_logprobs(merger, processor, rgb, g.token_ids), abs=1e-4)
+        assert all(x <= y + 1e-5 for x, y in zip(f.logprobs, g.logprobs, strict=True))
     # The judge's verdicts are the base model's: its text, and its share of yes among yes and no (transformers).
     decode = processor.tokenizer.decode
     # (vLLM's incremental detokenizer puts a space before the first word that the tokenizer's decode leaves out)

@@ -10,6 +10,7 @@ import pytest
 from visionrl.errors import RunError
 from visionrl.orchestrate.delivery import (
     DiffWatch,
+    FingerprintPrompt,
     FingerprintWatch,
     MismatchWatch,
     PartProbe,
@@ -22,6 +23,21 @@ from visionrl.types import Completion, ProbeResult, PromptItem
 
 def _c(ids: list[int], lps: list[float]) -> Completion:
     return Completion(prompt_index=0, token_ids=ids, text="", logprobs=lps, finish_reason="stop")
+
+
+def test_the_fingerprint_continuation_is_the_first_completion_with_tokens_and_stays() -> None:
+    """No continuation until a check fixes one: engine 0 rejected the prompt (None), engine 1 returned no tokens,
+    engine 2's tokens become it; a later check never replaces it. The learner's batch is that one sequence."""
+    check = FingerprintPrompt(PromptItem("a", []))
+    assert check.learner_batch() is None
+    check.fix([None, _c([], []), _c([7, 8, 9], [-1.0, -2.0, -3.0])])
+    check.fix([_c([4], [-0.5])])
+    assert check.continuation == [7, 8, 9]
+    batch = check.learner_batch()
+    assert batch is not None and batch.prompts == [check.prompt] and len(batch.sequences) == 1
+    seq = batch.sequences[0]
+    assert (seq.prompt, seq.completion_ids, seq.advantage) == (0, [7, 8, 9], 0.0)
+    assert seq.scored().tolist() == [True, True, True]  # every token scored
 
 
 def test_scoring_batch_keeps_each_engines_first_completion_and_its_owner() -> None:

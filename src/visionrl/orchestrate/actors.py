@@ -155,10 +155,10 @@ class LearnerActor:
         self._rank0("load", lambda learner: learner.load_state(adapter_dir, trainer_state))
 
     def logprobs(
-        self, batch: TrainBatch, adapter: bool = True, temperature: float | None = None
+        self, batch: TrainBatch, adapter: bool = True, temperature: float | None = None, raw: bool = False
     ) -> list[list[float]] | None:
         """Log-probs of every sequence's completion tokens, with the adapter or the base model."""
-        return self._rank0("logprobs", lambda learner: learner.logprobs(batch, adapter, temperature))
+        return self._rank0("logprobs", lambda learner: learner.logprobs(batch, adapter, temperature, raw))
 
     def placement(self) -> dict[str, Any]:
         return placement()
@@ -235,11 +235,14 @@ class RolloutActor:
         with memory_guard("rollout engine", "the adapter probe", self.cfg):
             return self.engine.probe(payload, prompts)
 
-    def fingerprint(self, prompt: PromptItem, max_tokens: int) -> tuple[Completion | None, int]:
-        """The greedy completion of `prompt` under the version served (None if the engine rejects it), and the
-        engine's rebuilds so far. Not a `generate` call: the fault injection's call counts stay as they were."""
+    def fingerprint(
+        self, prompt: PromptItem, max_tokens: int, continuation: list[int] | None = None
+    ) -> tuple[Completion | None, int]:
+        """The greedy completion of `prompt` under the version served, or `continuation` teacher-forced (None if
+        the engine rejects it), and the engine's rebuilds so far. Not a `generate` call: the fault injection's
+        call counts stay as they were."""
         with memory_guard("rollout engine", "the adapter fingerprint", self.cfg):
-            return self.engine.fingerprint(prompt, max_tokens), self.engine.rebuilds()
+            return self.engine.fingerprint(prompt, max_tokens, continuation), self.engine.rebuilds()
 
     def judge(self, prompts: list[PromptItem], ask: JudgeAsk) -> list[float | str | None]:
         """The base model's verdicts (a `judge` reward with backend engine: `RolloutEngine.judge`)."""

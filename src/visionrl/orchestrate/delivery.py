@@ -6,9 +6,13 @@ Three checks, each comparing the engine with the learner on the same tokens unde
   learner, with the same weights, must compute the engine's log-probs of the tokens it generated to within
   `rollout.max_logprob_diff`. A part the engine skips does not move it; a wrong scale or slice moves it but
   disagrees.
-- **The fingerprint** (after every sync, so also after every wake from sleep): each engine's greedy completion
-  of one fixed prompt under the version just synced, scored by the learner, which still holds that version.
-  It names the engine; `rollout.max_logprob_diff_steps` syncs in a row over the bound stop the run.
+- **The fingerprint** (after every sync, so also after every wake from sleep): each engine's log-probs of one
+  fixed prompt's continuation under the version just synced, against the learner's, which holds that version.
+  The first check (at start-up) takes each engine's greedy completion and has the learner score it; its tokens
+  then stay the continuation (`FingerprintPrompt`): later checks teacher-force them, so an engine scores them in
+  one prefill and the learner scores them while the engines load the version, not after. Those log-probs are
+  raw on both sides (over the whole vocabulary: vLLM's prompt log-probs skip its sampling processors). It names
+  the engine; `rollout.max_logprob_diff_steps` syncs in a row over the bound stop the run.
 - **The rollout mismatch** (`rollout/logprob_diff`, every update): the learner's log-probs of the sampled
   tokens under the version that sampled them against the engine's.
 Fingerprint and rollout mismatch are bounded twice (`DiffWatch`): by `rollout.max_logprob_diff` and, once the
@@ -68,6 +72,29 @@ def scoring_batch(
                 )
                 owners.append(engine)
     return TrainBatch(prompts=prompts, sequences=seqs), owners
+
+
+@dataclass
+class FingerprintPrompt:
+    """The fingerprint's prompt and, once the first check fixed it, the continuation every later check
+    teacher-forces (the first non-empty greedy completion of that check)."""
+
+    prompt: PromptItem
+    continuation: list[int] | None = None
+
+    def fix(self, got: list[Completion | None]) -> None:
+        """Keep the first engine's completion with tokens as the continuation, if none is kept yet."""
+        first = next((c for c in got if c is not None and c.token_ids), None)
+        if self.continuation is None and first is not None:
+            self.continuation = list(first.token_ids)
+
+    def learner_batch(self) -> TrainBatch | None:
+        """The continuation as one sequence for the learner to score (None until it is fixed)."""
+        if self.continuation is None:
+            return None
+        k = len(self.continuation)
+        seq = Sequence(prompt=0, completion_ids=self.continuation, advantage=0.0, sampling_logprobs=[0.0] * k)
+        return TrainBatch(prompts=[self.prompt], sequences=[seq])
 
 
 def diffs_by_engine(

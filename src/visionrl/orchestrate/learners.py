@@ -90,6 +90,10 @@ class LearnerGroup:
         at the sampling temperature unless `temperature` is given (1 for greedy completions)."""
         return self._wait("log-probs", self._start(lambda a: a.logprobs.remote(batch, adapter, temperature)))
 
+    def raw_logprobs_pending(self, batch: TrainBatch) -> Pending[list[list[float]]]:
+        """`logprobs` at temperature 1 over the whole vocabulary (no vision token removed), started."""
+        return self._pending(self._start(lambda a: a.logprobs.remote(batch, True, 1.0, True)))
+
     def _start(self, method: Callable[[Any], Any]) -> list[Call]:
         return [Call(method(actor), LEARNER, i) for i, actor in enumerate(self.actors)]
 

@@ -26,6 +26,7 @@ from visionrl.errors import RunError, StorageError, storage_errors
 from visionrl.judge.scoring import Judging
 from visionrl.orchestrate.delivery import (
     FINGERPRINT_TOKENS,
+    FingerprintPrompt,
     PartProbe,
     check_probes,
     diffs_by_engine,
@@ -110,6 +111,7 @@ class Workers:
         self.episodes: EpisodeRunner | None = None  # multi-turn episodes (`attach_envs`)
         self.restarts = 0
         self._probe_prompts: list[PromptItem] = []  # set by verify_delivery
+        self._check: FingerprintPrompt | None = None  # the fingerprint's prompt (its first), set there too
         self._rebuilds = [0] * len(engines)  # each engine's rebuilds after internal errors, as last seen
 
     def attach_judges(self, processor: Any) -> None:
@@ -216,7 +218,8 @@ class Workers:
         the run would train an adapter that rollouts never use. The learner's own version is served first:
         once vLLM has held a LoRA, requests without one can still get its weights (docs/ENGINE_NOTES.md), so
         "no adapter" is never served, and every probe compares two explicit adapters."""
-        self._probe_prompts = prompts  # kept: the fingerprint prompt, and a restarted engine is probed again
+        self._probe_prompts = prompts  # kept: a restarted engine is probed again
+        self._check = FingerprintPrompt(prompts[0])
         synced = self.sync_adapter()
         bound = self.cfg.rollout.max_logprob_diff
         far = [(i, d) for i, d in enumerate(synced.fingerprint_diffs) if d > bound]
@@ -302,38 +305,45 @@ class Workers:
 
     # 6. sync
     def sync_adapter(self) -> Synced:
-        """The learner's adapter to every engine, and each engine's fingerprint under it."""
+        """The learner's adapter to every engine, and each engine's fingerprint under it. Once the fingerprint's
+        continuation is fixed, the learner scores it while the engines load (`orchestrate.delivery`)."""
+        fixed = self._check.learner_batch() if self._check is not None else None
 
-        def attempt() -> tuple[int, dict[str, float]]:
+        def attempt() -> tuple[int, dict[str, float], list[float] | None]:
             # rank 0's payload, resolved once in the object store; every rank takes part in building it
             payload = self.learners.adapter_payload_pending()
+            scoring = self.learners.raw_logprobs_pending(fixed).calls if fixed is not None else []
             calls = [Call(e.load_adapter.remote(payload.ref), ENGINE, i) for i, e in enumerate(self.engines)]
-            loaded = self._get([*calls, *payload.calls], "sync")[: len(calls)]
-            versions = [version for version, _ in loaded]
+            got = self._get([*calls, *payload.calls, *scoring], "sync")  # the learners' calls run in order
+            versions = [version for version, _ in got[: len(calls)]]
             if len(set(versions)) != 1:
                 raise RunError(f"engines serve different adapter versions after sync: {versions}")
             parts: dict[str, float] = {}
-            for _, engine_parts in loaded:
+            for _, engine_parts in got[: len(calls)]:
                 for name, seconds in engine_parts.items():
                     parts[name] = max(parts.get(name, 0.0), seconds)
-            return int(versions[0]), parts
+            return int(versions[0]), parts, got[len(calls) + len(payload.calls)][0] if scoring else None
 
         t0 = time.perf_counter()
-        version, parts = self._recovering(attempt)
+        version, parts, learner = self._recovering(attempt)
         t1 = time.perf_counter()
-        diffs, check_parts = self._fingerprint()
+        diffs, check_parts = self._fingerprint(learner)
         return Synced(version, diffs, t1 - t0, time.perf_counter() - t1, {**parts, **check_parts})
 
-    def _fingerprint(self) -> tuple[list[float], dict[str, float]]:
-        """Each engine's greedy completion of the fingerprint prompt under the version it serves, scored by the
-        learner, which holds that version until its next update: mean |engine - learner| log-prob per token.
+    def _fingerprint(self, learner: list[float] | None) -> tuple[list[float], dict[str, float]]:
+        """Each engine's log-probs of the fingerprint's continuation under the version it serves against the
+        learner's, which holds that version until its next update: mean |engine - learner| per token. With
+        `learner` (its scores of the fixed continuation) the engines teacher-force that continuation; else they
+        complete the prompt greedily, the learner scores each completion, and the first fixes the continuation.
         An engine that rebuilt itself since the last fingerprint is probed again first. Also the seconds of the
-        engines' completions (`check_engine`) and of the learner's scoring (`check_learner`)."""
-        prompt = self._probe_prompts[0]
+        engines' part (`check_engine`) and of the learner's scoring after it (`check_learner`, 0 when it was fixed)."""
+        assert self._check is not None, "verify_delivery sets the fingerprint prompt"
+        prompt = self._check.prompt
+        continuation = self._check.continuation if learner is not None else None
 
         def attempt() -> list[tuple[Completion | None, int]]:
             calls = [
-                Call(e.fingerprint.remote(prompt, FINGERPRINT_TOKENS), ENGINE, i)
+                Call(e.fingerprint.remote(prompt, FINGERPRINT_TOKENS, continuation), ENGINE, i)
                 for i, e in enumerate(self.engines)
             ]
             return self._get(calls, "the adapter fingerprint")
@@ -350,11 +360,15 @@ class Workers:
                 "rollout engine(s) %s rebuilt after an internal error: adapter delivery verified", rebuilt
             )
         batch, owners = scoring_batch([prompt], [[[c] if c is not None else []] for c, _ in got])
+        rows = [seq.sampling_logprobs for seq in batch.sequences]
+        if learner is not None:  # the learner scored the continuation during the load: none of check_s
+            seconds = {"check_engine": engine_s, "check_learner": 0.0}
+            return diffs_by_engine(owners, rows, [learner] * len(rows), len(got)), seconds
         t = time.perf_counter()
-        learner = self.learners.logprobs(batch, temperature=1.0)
+        scores = self.learners.logprobs(batch, temperature=1.0)
+        self._check.fix([c for c, _ in got])
         seconds = {"check_engine": engine_s, "check_learner": time.perf_counter() - t}
-        diffs = diffs_by_engine(owners, [seq.sampling_logprobs for seq in batch.sequences], learner, len(got))
-        return diffs, seconds
+        return diffs_by_engine(owners, rows, scores, len(got)), seconds
 
     # 7. evaluate
     def evaluate(self, prompts: list[PromptItem]) -> float | None:

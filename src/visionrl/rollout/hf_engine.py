@@ -108,9 +108,30 @@ class HFEngine:
             self._apply(self._served)
         return probe_result(before, after, payload.version)
 
-    def fingerprint(self, prompt: PromptItem, max_tokens: int) -> Completion | None:
+    def fingerprint(
+        self, prompt: PromptItem, max_tokens: int, continuation: list[int] | None = None
+    ) -> Completion | None:
+        if continuation is not None:
+            return self._teacher_forced(prompt, continuation)
         groups = self.generate([prompt], SamplingSpec(n=1, greedy=True, max_tokens=max_tokens))
         return groups[0][0] if groups and groups[0] else None
+
+    @torch.no_grad()
+    def _teacher_forced(self, prompt: PromptItem, continuation: list[int]) -> Completion | None:
+        """`continuation`'s raw log-probs after `prompt` (no token suppressed), in one forward pass."""
+        ids = prompt.token_ids
+        if ids is None:
+            ids = self.processor.tokenizer(prompt.text, add_special_tokens=False)["input_ids"]
+        try:
+            enc = self._encode([replace(prompt, token_ids=[*ids, *continuation])]).to(self.device)
+        except ValueError as err:
+            logger.warning("the HF engine rejected the fingerprint prompt: %s", err)
+            return None
+        n = len(continuation)
+        logits = self.model(**enc, use_cache=False).logits[0, -n - 1 : -1].float()
+        target = torch.tensor(continuation, device=logits.device).unsqueeze(1)
+        lps = torch.log_softmax(logits, dim=-1).gather(1, target).squeeze(1).tolist()
+        return Completion(0, list(continuation), "", lps, "length", adapter_version=self._version)
 
     @torch.no_grad()
     def judge(self, prompts: list[PromptItem], ask: JudgeAsk) -> list[float | str | None]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import math
 import os
 import shutil
 import time
@@ -188,12 +189,42 @@ class VLLMEngine:
             self._reset_caches()
         return probe_result(before, after, payload.version)
 
-    def fingerprint(self, prompt: PromptItem, max_tokens: int) -> Completion | None:
-        groups = self.generate([prompt], SamplingSpec(n=1, greedy=True, max_tokens=max_tokens))
+    def fingerprint(
+        self, prompt: PromptItem, max_tokens: int, continuation: list[int] | None = None
+    ) -> Completion | None:
+        if continuation is None:
+            groups = self.generate([prompt], SamplingSpec(n=1, greedy=True, max_tokens=max_tokens))
+            got = groups[0][0] if groups and groups[0] else None
+        else:
+            got = self._teacher_forced(prompt, continuation)
         # A prompt served from the prefix or encoder cache is computed by other kernels, with logits a little
         # different: a later rollout of the same prompt must not depend on whether it was fingerprinted.
         self._reset_caches()
-        return groups[0][0] if groups and groups[0] else None
+        return got
+
+    def _teacher_forced(self, prompt: PromptItem, continuation: list[int]) -> Completion | None:
+        """`continuation`'s raw log-probs after `prompt` under the version served: one prefill with vLLM's prompt
+        log-probs (which skip the sampling processors: no token biased away), nothing sampled."""
+        from vllm import SamplingParams
+
+        self._exclusive("the adapter fingerprint")
+        self.wake_up()
+        ids = prompt.token_ids
+        if ids is None:  # tokenised as vLLM tokenises a text prompt of this chat template
+            ids = self._llm.get_tokenizer()(prompt.text, add_special_tokens=False)["input_ids"]
+        forced = PromptItem(text=prompt.text, images=prompt.images, token_ids=[*ids, *continuation])
+        params = SamplingParams(n=1, temperature=0.0, max_tokens=1, prompt_logprobs=0)
+        try:
+            out = self._run(self.inputs([forced]), params, self._lora)[0]
+        except vllm_rejections() as err:
+            logger.warning("vLLM rejected the fingerprint prompt: %s", err)
+            return None
+        tail = (out.prompt_logprobs or [])[-len(continuation) :]
+        lps = [
+            float(e[t].logprob) if e and t in e else math.nan
+            for t, e in zip(continuation, tail, strict=False)
+        ]
+        return Completion(0, list(continuation), "", lps, "length", adapter_version=self._version)
 
     def judge(self, prompts: list[PromptItem], ask: JudgeAsk) -> list[float | str | None]:
         """The base model's verdicts: under a zero adapter (B = 0), not without one, since requests without a LoRA

@@ -122,10 +122,12 @@ class Learner:
     def encode_prompts(self, prompts: list[PromptItem]) -> list[EncodedPrompt]:
         return encode_prompts(self.processor, self.model.get_base_model().config, prompts)
 
-    def _stats(self, mb: MicroBatch, temperature: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _stats(
+        self, mb: MicroBatch, temperature: float | None = None, raw: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs and entropies [B, T] of the micro-batch's completion tokens under the sampling distribution
-        (0 at padding; `temperature` None: the sampling temperature); with autograd when grad is enabled
-        (`train.forward` keeps the logits in chunks)."""
+        (0 at padding; `temperature` None: the sampling temperature; `raw`: no vision token removed); with
+        autograd when grad is enabled (`train.forward` keeps the logits in chunks)."""
         dev = self.device
         # No attention mask: every row's padding is at its end, so causal attention alone is exact at the real
         # tokens and keeps SDPA on its fused causal kernel (models.sequences).
@@ -150,20 +152,20 @@ class Learner:
             mb.completion_mask.to(dev),
             mb.starts,
             temperature=temperature or self.cfg.rollout.temperature,
-            forbidden=self.forbidden.to(dev),
+            forbidden=self.forbidden[:0] if raw else self.forbidden.to(dev),
             chunk_tokens=self.cfg.train.logit_chunk_tokens,
             entropy_grad=self.cfg.algorithm.entropy_coef > 0,  # else only reported
             hidden_rows=mb.hidden_rows,
         )
 
     def logprobs(
-        self, batch: TrainBatch, adapter: bool = True, temperature: float | None = None
+        self, batch: TrainBatch, adapter: bool = True, temperature: float | None = None, raw: bool = False
     ) -> list[list[float]]:
         """Log-probs of every sequence's completion tokens (with the adapter, or the base model), at the sampling
-        temperature unless `temperature` is given."""
+        temperature unless `temperature` is given; `raw`: over the whole vocabulary (vision tokens kept)."""
         encoded = self.encode_prompts(batch.prompts)
         seqs, positions = episodes_expanded(self.processor, encoded, batch.sequences)
-        store = self._precompute(encoded, seqs, range(len(seqs)), adapter, temperature)
+        store = self._precompute(encoded, seqs, range(len(seqs)), adapter, temperature, raw)
         out = []
         for row, (seq, where) in enumerate(zip(seqs, positions, strict=True)):
             values = store[row][: len(seq.completion_ids)]
@@ -308,9 +310,10 @@ class Learner:
         rows: Any,
         adapter: bool,
         temperature: float | None = None,
+        raw: bool = False,
     ) -> dict[int, torch.Tensor]:
         """No-grad log-probs of the sequences `rows` (padded to their micro-batch): old policy or, adapter off,
-        the reference model (`temperature` None: the sampling temperature)."""
+        the reference model (`temperature` None: the sampling temperature; `raw`: see `logprobs`)."""
         self.model.eval()
         out: dict[int, torch.Tensor] = {}
         train = self.cfg.train
@@ -320,7 +323,7 @@ class Learner:
         self._even_out(mbs, encoded, seqs)
         for mb in mbs:
             with contextlib.nullcontext() if adapter else self.model.disable_adapter():
-                lp, _ = self._stats(mb, temperature)
+                lp, _ = self._stats(mb, temperature, raw)
             if not mb.rows:  # a filler: nothing to keep
                 continue
             lp = lp.cpu()
