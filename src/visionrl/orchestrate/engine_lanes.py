@@ -1,6 +1,6 @@
-"""A rollout actor's stepping API seen from the driver (`types.SteppingEngine`): the lane of continuous episodes on
-one engine (`envs.continuous`), its calls with the loop's deadline, and a restarted engine given the lane's
-requests in flight again.
+"""A rollout actor seen from the driver as an engine: its stepping API (`types.SteppingEngine`) as the lane of
+continuous episodes on one engine (`envs.continuous`), its calls with the loop's deadline, and a restarted engine
+given the lane's requests in flight again; and its `generate` as a plain engine's (`RemoteEngine`, for evaluation).
 
 Ray actor calls are coarse: `submit` returns at once, `collect` waits at most a short time in the actor (which
 takes no other call meanwhile) and returns whatever finished; the driver submits the answered episodes' turns in
@@ -87,3 +87,17 @@ class EngineLane:
                 return
             except ActorProblem as again:  # the restarted engine failed too: restarted again, if allowed
                 problem = again
+
+
+class RemoteEngine:
+    """Engine 0 of `workers` (a `Workers`) as a plain engine (for the shared evaluation code), with the loop's
+    deadline, restarted like the others."""
+
+    def __init__(self, workers: Any) -> None:
+        self.workers = workers
+
+    def generate(self, prompts: list[PromptItem], spec: SamplingSpec) -> list[list[Completion]]:
+        w = self.workers
+        return w._recovering(
+            lambda: w._get([Call(w.engines[0].generate.remote(prompts, spec), ENGINE, 0)], "eval", True)[0]
+        )

@@ -32,7 +32,7 @@ from visionrl.orchestrate.delivery import (
     diffs_by_engine,
     scoring_batch,
 )
-from visionrl.orchestrate.engine_lanes import EngineLane, engine_spec
+from visionrl.orchestrate.engine_lanes import EngineLane, RemoteEngine, engine_spec
 from visionrl.orchestrate.env_workers import EnvPool
 from visionrl.orchestrate.failures import resume_hint
 from visionrl.orchestrate.judging import join_scores, start_judges
@@ -61,19 +61,6 @@ from visionrl.types import Completion, PromptItem, SamplingSpec
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 ACTOR_RESTARTS_KEY = "actor_restarts"  # in a checkpoint's extra: the restarts the run had used by then
-
-
-class _RemoteEngine:
-    """A Ray rollout actor seen as a plain engine (for the shared evaluation code), with the loop's deadline."""
-
-    def __init__(self, workers: Workers) -> None:
-        self.workers = workers
-
-    def generate(self, prompts: list[PromptItem], spec: SamplingSpec) -> list[list[Completion]]:
-        w = self.workers
-        return w._recovering(
-            lambda: w._get([Call(w.engines[0].generate.remote(prompts, spec), ENGINE, 0)], "eval", True)[0]
-        )
 
 
 @dataclass(frozen=True)
@@ -389,11 +376,11 @@ class Workers:
             from visionrl.eval.scoring import score_generations
 
             answers, _ = episode_answers(
-                _RemoteEngine(self), prompts, self.episodes, max_tokens=self.cfg.rollout.max_new_tokens
+                RemoteEngine(self), prompts, self.episodes, max_tokens=self.cfg.rollout.max_new_tokens
             )
             return accuracy(score_generations(prompts, answers, self._eval_reward))
         records = evaluate_prompts(
-            _RemoteEngine(self),
+            RemoteEngine(self),
             prompts,
             self._eval_reward,
             max_tokens=self.cfg.rollout.max_new_tokens,
