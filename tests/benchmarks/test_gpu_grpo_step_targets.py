@@ -47,6 +47,27 @@ def test_targets_met_and_missed_with_hand_derived_values() -> None:
     assert missed[("tokens_per_s_per_gpu", "64x8x512 spread")]["why"] == "not explained yet"
 
 
+def test_the_learner_is_judged_against_trls_fastest_setting_and_a_miss_says_what_it_needs() -> None:
+    """Two TRL settings at 16x8x256: 4,000 tokens/s (recompute on) and 5,000 (off). 10,000 / 5,000 = 2.0 < 2.5:
+    missed, and it needs 12,500 tokens/s, at 40% MFU x 12,500 / 10,000 = 50% MFU."""
+    report = _report(8500.0, 9000.0, 10000.0, 20.0)
+    report["results"][2]["learner_mfu"] = 0.4
+    report["trl"][0]["gradient_checkpointing"] = True
+    report["trl"].insert(
+        1,
+        {"size": "16x8x256", "trl_learner_tokens_per_s": 5000.0, "trl_training_extra_gib": 30.0,
+         "gradient_checkpointing": False},
+    )  # fmt: skip
+    got = {(t["target"], t["size"]): t for t in gpu_grpo_step.targets(report)}
+    ratio = got[("learner_tokens_per_s_vs_trl", "16x8x256")]
+    assert ratio["value"] == 2.0 and not ratio["met"]
+    assert ratio["why"] == (
+        "visionrl's learner 10,000 tokens/s (40% MFU) against TRL's 5,000 (recompute off, its fastest setting); "
+        "2.5x needs 12,500 tokens/s (50% MFU)"
+    )
+    assert got[("memory_beyond_weights_vs_trl", "16x8x256")]["value"] == (20.0 - 16.0) / 30.0  # the same row
+
+
 def test_committed_results_name_each_target() -> None:
     import json
 
