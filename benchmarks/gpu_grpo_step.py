@@ -227,6 +227,11 @@ def main() -> None:
     )
     p.add_argument("--trl", default="", help="sizes to run TRL's GRPOTrainer on too (trl_grpo_step.py)")
     p.add_argument("--trl-steps", type=int, default=2)
+    p.add_argument(
+        "--trl-recompute",
+        default="on,off",
+        help="TRL's settings to run: activation recompute on (its default), off (faster where memory allows)",
+    )
     p.add_argument("--trl-hf-generation", action="store_true", help="TRL without vLLM (its slower mode)")
     p.add_argument("--work", default="", help="keep the checkpoint and data here (reused by a later call)")
     p.add_argument(
@@ -277,9 +282,20 @@ def main() -> None:
             for lengths in kinds
         ]
         trl_rows = [
-            run_trl(size, model, data, work, args.trl_steps, args.trl_hf_generation, args.smoke, lengths)
+            run_trl(
+                size,
+                model,
+                data,
+                work,
+                args.trl_steps,
+                args.trl_hf_generation,
+                args.smoke,
+                lengths,
+                on == "on",
+            )
             for size in filter(None, args.trl.split(","))
             for lengths in kinds
+            for on in filter(None, args.trl_recompute.split(","))
         ]
         cfg0 = json.loads((model / "config.json").read_text())
     report = {
@@ -358,11 +374,19 @@ def run_visionrl(
 
 
 def run_trl(
-    size: str, model: Path, data: Path, work: Path, steps: int, hf: bool, smoke: bool, lengths: str = "equal"
+    size: str,
+    model: Path,
+    data: Path,
+    work: Path,
+    steps: int,
+    hf: bool,
+    smoke: bool,
+    lengths: str = "equal",
+    recompute: bool = True,
 ) -> dict[str, Any]:
     """TRL in its own process: a clean GPU, and its vLLM engine never meets visionrl's."""
     label = size if lengths == "equal" else f"{size} spread"
-    out = work / f"trl-{label.replace(' ', '-')}.json"
+    out = work / f"trl-{label.replace(' ', '-')}-recompute-{'on' if recompute else 'off'}.json"
     script = Path(__file__).resolve().parent / "trl_grpo_step.py"
     cmd = [sys.executable, str(script), "--model", str(model), "--data", str(data), "--size", size]
     proc = subprocess.run(
@@ -375,25 +399,33 @@ def run_trl(
             "--lengths",
             lengths,
             *(["--hf-generation"] if hf else []),
+            *([] if recompute else ["--no-gradient-checkpointing"]),
         ]
     )
     if proc.returncode != 0 or not out.exists():
-        return {"size": label, "status": f"TRL run failed (exit {proc.returncode}); its output is in the log"}
+        status = f"TRL run failed (exit {proc.returncode}); its output is in the log"
+        return {"size": label, "gradient_checkpointing": recompute, "status": status}
     row = json.loads(out.read_text())
     row["size"] = label
     return dict(row)
 
 
+def row_key(table: str, row: dict[str, Any]) -> tuple[str, Any]:
+    """What a row measures: its size, and for TRL also its setting (a row without one: recompute on, TRL's
+    default and the only setting run before both were)."""
+    return row["size"], row.get("gradient_checkpointing", True) if table == "trl" else None
+
+
 def merge(report: dict[str, Any], earlier: dict[str, Any]) -> None:
-    """Keep the earlier file's rows of the sizes not run now, its other keys (e.g. `before`), and each replaced
-    row under `superseded` with the date of the file it came from."""
+    """Keep the earlier file's rows of what was not run now (sizes; TRL's sizes and settings), its other keys
+    (e.g. `before`), and each replaced row under `superseded` with the date of the file it came from."""
     superseded = list(earlier.get("superseded", []))
     for key in ("results", "trl"):
-        sizes = {r["size"] for r in report[key]}
+        ran = {row_key(key, r) for r in report[key]}
         rows = earlier.get(key) if isinstance(earlier.get(key), list) else []
-        report[key] = [r for r in rows if r["size"] not in sizes] + report[key]
+        report[key] = [r for r in rows if row_key(key, r) not in ran] + report[key]
         superseded += [
-            {**r, "table": key, "file_date": earlier.get("date")} for r in rows if r["size"] in sizes
+            {**r, "table": key, "file_date": earlier.get("date")} for r in rows if row_key(key, r) in ran
         ]
     for key, value in earlier.items():
         report.setdefault(key, value)
@@ -402,14 +434,22 @@ def merge(report: dict[str, Any], earlier: dict[str, Any]) -> None:
 
 
 def attach_trl(report: dict[str, Any]) -> None:
-    """Each of visionrl's rows gets TRL's figures of the same size and the ratios the targets are set in."""
-    trl = {r["size"]: r for r in report["trl"] if "trl_step_s" in r}
+    """Each of visionrl's rows gets the figures of TRL's fastest setting of the same size (its learner) and the
+    ratios the targets are set in."""
+    trl: dict[str, dict[str, Any]] = {}
+    for r in report["trl"]:
+        best = trl.get(r["size"])
+        if "trl_step_s" in r and (
+            best is None or r["trl_learner_tokens_per_s"] > best["trl_learner_tokens_per_s"]
+        ):
+            trl[r["size"]] = r
     for row in report["results"]:
         peer = trl.get(row["size"])
         if peer is None:
             continue
         for key in ("trl_step_s", "trl_tokens_per_s_per_gpu", "trl_learner_tokens_per_s", "trl_peak_mem_gib"):
             row[key] = peer[key]
+        row["trl_gradient_checkpointing"] = peer.get("gradient_checkpointing", True)
         row["learner_tokens_per_s_vs_trl"] = row["learner_tokens_per_s"] / peer["trl_learner_tokens_per_s"]
         row["step_speedup_vs_trl"] = peer["trl_step_s"] / row["step_s"]
 

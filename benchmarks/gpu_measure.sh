@@ -7,7 +7,8 @@
 # PART:
 #   learner         the learner alone: packing levers, compiled layers, equal and spread lengths (gpu_learner.py)
 #   equal | spread  the whole step at 64 x 8 x 512 through visionrl's loop, 3 steps (gpu_grpo_step.py)
-#   trl             TRL's GRPOTrainer and visionrl on the same spread lengths at 16 x 8 x 256
+#   trl             TRL's GRPOTrainer and visionrl on the same spread lengths at 16 x 8 x 256; TRL with activation
+#                   recompute on and off (TRL_RECOMPUTE=on or off for one: off needs more than 80 GB)
 #   rollout         the job's vLLM engine alone, one setting at a time (gpu_rollout.py; VARIANTS=... to choose)
 #   tests           the GPU tests (tests/gpu)
 # Extra key=value arguments override the job file (the 80 GB setting of its header, for example).
@@ -53,7 +54,8 @@ case $part in
         ;;
     trl)
         timeout "$limit" python benchmarks/gpu_grpo_step.py --sizes 16x8x256 --trl 16x8x256 --lengths spread \
-            --work "$WORK" --merge --out "$RESULTS" "$@" > "$OUT/trl.log" 2>&1
+            --trl-recompute "${TRL_RECOMPUTE:-on,off}" --work "$WORK" --merge --out "$RESULTS" "$@" \
+            > "$OUT/trl.log" 2>&1
         ;;
     rollout)
         timeout "$limit" python benchmarks/gpu_rollout.py --work "$WORK" --out "$RESULTS" \

@@ -52,3 +52,16 @@ def test_an_unknown_part_is_refused_with_the_list(tmp_path: Path) -> None:
     proc, calls = _run(tmp_path, "NVIDIA H200, 143771 MiB", "bogus")
     assert proc.returncode == 2 and calls == []
     assert "learner, equal, spread, trl, rollout or tests" in proc.stderr
+
+
+def test_trl_runs_both_of_its_settings_unless_one_is_named(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    work = tmp_path / "work"
+    common = f"--work {work} --merge --out {work / 'results'}"
+    proc, calls = _run(tmp_path, "NVIDIA H200, 143771 MiB", "trl")
+    assert proc.returncode == 0, proc.stderr
+    assert calls == [
+        f"benchmarks/gpu_grpo_step.py --sizes 16x8x256 --trl 16x8x256 --lengths spread --trl-recompute on,off {common}"
+    ]
+    monkeypatch.setenv("TRL_RECOMPUTE", "off")
+    proc, calls = _run(tmp_path, "NVIDIA H200, 143771 MiB", "trl")
+    assert calls[-1].endswith(f"--trl-recompute off {common}")

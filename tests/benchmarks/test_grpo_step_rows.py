@@ -1,0 +1,58 @@
+"""benchmarks/gpu_grpo_step.py's rows across calls: TRL's two settings (activation recompute on and off) are kept
+apart when results files merge, and visionrl's rows get the figures of TRL's fastest setting."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import gpu_grpo_step
+
+
+def _trl(size: str, recompute: bool | None, learner: float, step: float) -> dict:  # type: ignore[type-arg]
+    row = {
+        "size": size,
+        "trl_step_s": step,
+        "trl_learner_tokens_per_s": learner,
+        "trl_tokens_per_s_per_gpu": 1.0,
+    }
+    row["trl_peak_mem_gib"] = 70.0
+    return row if recompute is None else {**row, "gradient_checkpointing": recompute}
+
+
+def test_a_merge_replaces_only_the_trl_setting_that_ran_again() -> None:
+    """The earlier file has recompute on (a row from before the setting was written: on) and off at 16x8x256;
+    this call ran only off. On stays, off is the new one, the old off is superseded with its file's date."""
+    earlier = {
+        "date": "2026-12-01",
+        "results": [{"size": "16x8x256", "step_s": 10.0}],
+        "trl": [_trl("16x8x256", None, 3400.0, 22.0), _trl("16x8x256", False, 4100.0, 19.0)],
+        "before": {"kept": True},
+    }
+    report = {"results": [], "trl": [_trl("16x8x256", False, 4200.0, 18.9)]}
+    gpu_grpo_step.merge(report, earlier)
+    learners = [(r.get("gradient_checkpointing", True), r["trl_learner_tokens_per_s"]) for r in report["trl"]]
+    assert learners == [(True, 3400.0), (False, 4200.0)]
+    assert report["results"] == [{"size": "16x8x256", "step_s": 10.0}] and report["before"] == {"kept": True}
+    assert [(r["table"], r["trl_learner_tokens_per_s"], r["file_date"]) for r in report["superseded"]] == [
+        ("trl", 4100.0, "2026-12-01")
+    ]
+
+
+def test_visionrls_rows_get_trls_fastest_setting() -> None:
+    """Recompute on 3,400 tokens/s, off 4,200: visionrl's 8,400 is 2.0x the faster, and its step 10 s against
+    the off setting's 18.9 s is 1.89x."""
+    report = {
+        "results": [{"size": "16x8x256", "step_s": 10.0, "learner_tokens_per_s": 8400.0}],
+        "trl": [
+            _trl("16x8x256", True, 3400.0, 22.0),
+            _trl("16x8x256", False, 4200.0, 18.9),
+            {"size": "16x8x256", "gradient_checkpointing": False, "status": "TRL run failed (exit 1)"},
+        ],
+    }
+    gpu_grpo_step.attach_trl(report)
+    row = report["results"][0]
+    assert row["trl_gradient_checkpointing"] is False and row["trl_learner_tokens_per_s"] == 4200.0
+    assert row["learner_tokens_per_s_vs_trl"] == 2.0 and row["step_speedup_vs_trl"] == 18.9 / 10.0
