@@ -138,7 +138,15 @@ def one_variant(args: argparse.Namespace) -> dict[str, Any]:
     generated = sum(len(c.token_ids) for group_out in out for c in group_out)
     return {"variant": args.one, "engine_start_s": start_s, "batch_s": batch_s, "generated_tokens": generated,
             "generated_tokens_per_s": generated / batch_s, "overrides": variant_overrides(args.one),
-            "env": VARIANT_ENV.get(args.one, {})}  # fmt: skip
+            "env": VARIANT_ENV.get(args.one, {}), "env_known_to_vllm": known_env(args.one)}  # fmt: skip
+
+
+def known_env(variant: str) -> dict[str, bool]:
+    """Whether this vLLM reads each of the variant's environment variables (one it does not know changes nothing,
+    and the variant then measures the job's engine again)."""
+    import vllm.envs
+
+    return {name: hasattr(vllm.envs, name) for name in VARIANT_ENV.get(variant, {})}
 
 
 def main() -> None:

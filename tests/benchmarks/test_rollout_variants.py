@@ -47,3 +47,14 @@ def test_the_dual_stream_variant_is_the_engines_environment_not_the_job() -> Non
     assert variant_overrides("dual_stream") == []
     assert VARIANT_ENV["dual_stream"] == {"VLLM_LORA_ENABLE_DUAL_STREAM": "1"}
     assert set(VARIANT_ENV) <= set(VARIANTS)
+
+
+def test_a_row_says_whether_this_vllm_reads_the_variants_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU build here (vLLM 0.32) knows the dual-stream variable; a name it lacks is reported as unknown."""
+    pytest.importorskip("vllm")
+    import gpu_rollout
+
+    assert gpu_rollout.known_env("dual_stream") == {"VLLM_LORA_ENABLE_DUAL_STREAM": True}
+    assert gpu_rollout.known_env("job") == {}
+    monkeypatch.setitem(gpu_rollout.VARIANT_ENV, "job", {"VLLM_NOT_A_SETTING": "1"})
+    assert gpu_rollout.known_env("job") == {"VLLM_NOT_A_SETTING": False}
