@@ -23,7 +23,7 @@ LAYERS: Floors = [
         "shared",
         (
             "visionrl", "visionrl.types", "visionrl.errors", "visionrl.files", "visionrl.run_layout",
-            "visionrl.faults", "visionrl.pictures", "visionrl.finite",
+            "visionrl.faults", "visionrl.pictures", "visionrl.finite", "visionrl.openai_wire",
         ),
     ),
     ("math", ("visionrl.algo",)),

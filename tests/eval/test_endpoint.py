@@ -18,7 +18,7 @@ from PIL import Image
 
 from visionrl.errors import InputError
 from visionrl.eval.endpoint import evaluate_endpoint, openai_asker, request_answers
-from visionrl.eval.wire import chat_messages, image_data_url, openai_base_url
+from visionrl.openai_wire import chat_messages, image_data_url, openai_base_url
 
 COLORS = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255), "white": (255, 255, 255),
           "black": (0, 0, 0)}  # fmt: skip

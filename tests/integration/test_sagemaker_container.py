@@ -37,7 +37,7 @@ from visionrl.config_env import EnvConfig
 from visionrl.errors import InputError
 from visionrl.eval.endpoint import evaluate_endpoint
 from visionrl.eval.local import evaluate_local
-from visionrl.eval.wire import image_data_url
+from visionrl.openai_wire import image_data_url
 from visionrl.serve.model_source import LISTING_NAME, local_model_dir
 from visionrl.serve.process import ServerHandle, free_port
 

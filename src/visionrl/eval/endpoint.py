@@ -28,7 +28,7 @@ from visionrl.eval.endpoint_episodes import EndpointEpisodes
 from visionrl.eval.judged import Judges, check_judges_for, judge_step
 from visionrl.eval.report import DEFAULT_REWARDS, EvalSettings
 from visionrl.eval.sagemaker_runtime import sagemaker_asker
-from visionrl.eval.wire import Ask, chat_messages, completion_generation, openai_base_url
+from visionrl.openai_wire import Ask, chat_messages, completion_generation, openai_base_url
 from visionrl.types import Generation, PromptItem
 
 FORBIDDEN_BIAS = -100  # the most negative logit bias the OpenAI API accepts

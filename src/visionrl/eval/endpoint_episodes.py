@@ -28,7 +28,7 @@ from visionrl.envs.base import Observation
 from visionrl.envs.pool import EnvFailure, LocalEnvs
 from visionrl.envs.registry import tool_schemas
 from visionrl.envs.trajectory import message
-from visionrl.eval.wire import Ask, chat_messages
+from visionrl.openai_wire import Ask, chat_messages
 from visionrl.types import Generation, PromptItem
 
 FAILED = ("error", "timeout")

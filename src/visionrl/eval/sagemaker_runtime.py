@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from visionrl.eval.wire import Ask, completion_generation
+from visionrl.openai_wire import Ask, completion_generation
 from visionrl.types import Generation
 
 CONTENT_TYPE = "application/json"

@@ -11,7 +11,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from visionrl.eval.wire import image_data_url, openai_base_url
+from visionrl.openai_wire import image_data_url, openai_base_url
 from visionrl.rewards.judge import JudgeFailure, JudgeRequest, JudgeSpec, yes_share
 
 TOP_LOGPROBS = 20  # vLLM's server refuses more by default (--max-logprobs 20)

@@ -1,6 +1,6 @@
 """What goes over the wire to an OpenAI-compatible server: images as data URLs, chat messages with those images
-in place of the data's image placeholders, and the base URL. Shared by served evaluation (`eval.endpoint`) and the
-endpoint judge (`judge.endpoint`)."""
+in place of the data's image placeholders, and the base URL. Shared by served evaluation (`eval.endpoint`,
+`eval.sagemaker_runtime`) and the endpoint judge (`judge.endpoint`)."""
 
 from __future__ import annotations
 
