@@ -33,7 +33,7 @@ LAYERS: Floors = [
         "config",
         (
             "visionrl.config", "visionrl.config_algorithm", "visionrl.config_env", "visionrl.config_logging", "visionrl.config_placement", "visionrl.config_ray",
-            "visionrl.config_rollout", "visionrl.config_yaml",
+            "visionrl.config_rollout", "visionrl.config_train", "visionrl.config_yaml",
         ),
     ),
     ("trackers", ("visionrl.trackers",)),
