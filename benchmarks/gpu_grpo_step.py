@@ -251,10 +251,25 @@ def main() -> None:
         help="completion lengths: all max_new_tokens (random weights never end a turn), or each its own, drawn "
         "from [T/8, T] (length_spread.py; its histogram in the row); both: a row of each per size, TRL's too",
     )
+    p.add_argument(
+        "--cap-gib",
+        type=float,
+        default=None,
+        help="run as on a card of this many GiB (an H100 80GB: 79.6): the learner capped there "
+        "(train.gpu_memory_gib) and the engine's share scaled to the same GiB of this card",
+    )
     p.add_argument("overrides", nargs="*", help="extra key=value overrides of the job file, for every size")
     args = p.parse_args()
     if args.packing:
         args.overrides = [*args.overrides, "train.packing=true"]
+    if args.cap_gib:
+        import torch
+
+        from visionrl.config import load_config
+
+        total_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+        share = load_config(JOB).rollout.gpu_memory_utilization
+        args.overrides = capped_overrides(args.overrides, args.cap_gib, total_gib, share)
     if args.targets_only:
         path = Path(args.out) / "gpu_grpo_step.json"
         report = json.loads(path.read_text())
@@ -328,6 +343,15 @@ def main() -> None:
     path.write_text(json.dumps(report, indent=2) + "\n")
     print_table(report["results"])
     print_targets(report["targets"])
+
+
+def capped_overrides(overrides: list[str], cap_gib: float, total_gib: float, job_share: float) -> list[str]:
+    """`overrides` for a card of `cap_gib` GiB run on one of `total_gib`: the learner capped at `cap_gib` and the
+    engine's share (the last override's, else the job's) scaled so that it takes the same GiB as there."""
+    key = "rollout.gpu_memory_utilization="
+    share = next((float(o[len(key) :]) for o in reversed(overrides) if o.startswith(key)), job_share)
+    kept = [o for o in overrides if not o.startswith(key)]
+    return [*kept, f"{key}{share * cap_gib / total_gib:.4f}", f"train.gpu_memory_gib={cap_gib:g}"]
 
 
 def run_visionrl(

@@ -726,3 +726,17 @@ def test_the_production_headers_80gb_setting_is_a_valid_job() -> None:
     cfg = load_config(PRODUCTION, overrides)
     assert cfg.model.gradient_checkpointing and cfg.model.checkpoint_layers == 18
     assert cfg.train.micro_batch_tokens == 4096 and cfg.rollout.gpu_memory_utilization == 0.5
+
+
+def test_the_learners_memory_cap_is_a_share_of_its_card() -> None:
+    """train.gpu_memory_gib: 80 GiB of a 141 GiB card (an H200's 143,771 MiB) is 80 / 140.4 = 0.5698 of it;
+    more than the card is the whole card; zero or negative is refused."""
+    from visionrl.orchestrate.actors import memory_fraction
+
+    h200 = 143_771 * 2**20
+    assert memory_fraction(80.0, h200) == pytest.approx(80 / (143_771 / 1024), abs=1e-12)
+    assert round(memory_fraction(80.0, h200), 4) == 0.5698
+    assert memory_fraction(200.0, h200) == 1.0
+    assert config_from_dict({**MINIMAL, "train": {"gpu_memory_gib": 80}}).train.gpu_memory_gib == 80.0
+    with pytest.raises(ConfigError, match="train.gpu_memory_gib"):
+        config_from_dict({**MINIMAL, "train": {"gpu_memory_gib": 0}})

@@ -69,6 +69,13 @@ class TrainConfig(Section):
         "CUDA and ray.num_learners > 1, else plain data parallel (whole model per rank, gradients all-reduced); "
         "on: FSDP2 also for one rank; off: never.",
     )
+    gpu_memory_gib: float | None = Field(
+        None,
+        gt=0.0,
+        description="The most GPU memory the learner may allocate, in GiB (torch's per-process memory fraction of "
+        "its device): to share a GPU, or to run a smaller card's setting on a larger one (with "
+        "rollout.gpu_memory_utilization scaled to the same GiB); null: the whole card.",
+    )
     seed: int = Field(0, description="Seed of data order, sampling and LoRA init.")
     torch_threads: int | None = Field(
         None, ge=1, description="Learner torch threads (CPU); default: torch's."

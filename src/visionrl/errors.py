@@ -46,7 +46,8 @@ MEMORY_ADVICE = {
         "lower train.micro_batch_tokens (now {micro_batch_tokens}), set model.gradient_checkpointing=true "
         "(checkpoint_layers: null checkpoints every layer), lower train.logit_chunk_tokens (now "
         "{logit_chunk_tokens}), or, colocated, give the engine less: rollout.gpu_memory_utilization (now "
-        "{gpu_memory_utilization}) or rollout.sleep_during_update=true"
+        "{gpu_memory_utilization}) or rollout.sleep_during_update=true; train.gpu_memory_gib (now "
+        "{gpu_memory_gib}; null: the whole card) is the learner's own cap"
     ),
     "rollout engine": (
         "lower rollout.gpu_memory_utilization (now {gpu_memory_utilization}) if the learner shares the GPU, or "

@@ -56,3 +56,15 @@ def test_visionrls_rows_get_trls_fastest_setting() -> None:
     row = report["results"][0]
     assert row["trl_gradient_checkpointing"] is False and row["trl_learner_tokens_per_s"] == 4200.0
     assert row["learner_tokens_per_s_vs_trl"] == 2.0 and row["step_speedup_vs_trl"] == 18.9 / 10.0
+
+
+def test_a_smaller_cards_setting_on_a_larger_card() -> None:
+    """An H100 80GB (79.6 GiB) setting on an H200 (140.4 GiB): the engine's 0.5 of 79.6 GiB is 39.8 GiB, which is
+    0.2835 of the H200; the learner is capped at 79.6 GiB. Without an engine override the job's share is scaled."""
+    over = ["model.gradient_checkpointing=true", "rollout.gpu_memory_utilization=0.5"]
+    assert gpu_grpo_step.capped_overrides(over, 79.6, 140.4, 0.6) == [
+        "model.gradient_checkpointing=true",
+        "rollout.gpu_memory_utilization=0.2835",
+        "train.gpu_memory_gib=79.6",
+    ]
+    assert gpu_grpo_step.capped_overrides([], 79.6, 140.4, 0.6)[0] == "rollout.gpu_memory_utilization=0.3402"

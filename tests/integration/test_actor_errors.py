@@ -98,6 +98,7 @@ def test_errors_inside_actors_reach_the_user_with_their_cause(tmp_path: Path) ->
         "train.micro_batch_tokens (now 12345)" in text and "rollout.gpu_memory_utilization (now 0.4)" in text
     )
     assert "Tried to allocate 20.00 GiB" in text and "no checkpoint was written yet" in text
+    assert "train.gpu_memory_gib (now null; null: the whole card) is the learner's own cap" in text
     assert "ray::" not in text and "pid=" not in text
     assert type(err) is RunError
     lines = str(err).splitlines()

@@ -44,6 +44,7 @@ def _memory_settings(cfg: JobConfig) -> dict[str, object]:
         "micro_batch_tokens": cfg.train.micro_batch_tokens,
         "logit_chunk_tokens": cfg.train.logit_chunk_tokens,
         "gpu_memory_utilization": cfg.rollout.gpu_memory_utilization,
+        "gpu_memory_gib": "null" if cfg.train.gpu_memory_gib is None else cfg.train.gpu_memory_gib,
         "max_model_len": cfg.rollout.max_model_len,
         "prompts_per_step": cfg.rollout.prompts_per_step,
     }
@@ -55,6 +56,20 @@ def use_torch_threads(cfg: JobConfig) -> None:
         import torch
 
         torch.set_num_threads(cfg.train.torch_threads)
+
+
+def memory_fraction(gib: float, total_bytes: int) -> float:
+    """The share of a device of `total_bytes` that `gib` GiB is (at most all of it): torch's per-process cap."""
+    return min(1.0, gib * 2**30 / total_bytes)
+
+
+def cap_gpu_memory(gib: float) -> None:
+    """This process's torch allocator refuses to hold more than `gib` GiB of its current GPU (train.gpu_memory_gib)."""
+    import torch
+
+    device = torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(memory_fraction(gib, total), device)
 
 
 @contextlib.contextmanager
@@ -99,6 +114,8 @@ class LearnerActor:
         if self.rank == 1 and faults.active("fail_learner_setup"):
             raise RuntimeError("injected fault fail_learner_setup: this learner rank could not start")
         cuda = torch.cuda.is_available()
+        if cuda and self.cfg.train.gpu_memory_gib is not None:
+            cap_gpu_memory(self.cfg.train.gpu_memory_gib)
         fsdp = use_fsdp(self.cfg.train.fsdp, cuda, self.world)
         # Every later collective is inside one remote call, whose deadline is ray.call_timeout_s.
         timeout = max(self.cfg.ray.startup_timeout_s, self.cfg.ray.call_timeout_s)
