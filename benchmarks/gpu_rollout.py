@@ -169,7 +169,7 @@ def main() -> None:
     if args.one:
         args.json.write_text(json.dumps(one_variant(args)))
         return
-    from gpu_grpo_step import build_model, versions
+    from gpu_grpo_step import build_model
 
     from visionrl.data.synthetic import make_dataset
 
@@ -182,12 +182,34 @@ def main() -> None:
             make_dataset(
                 data, "count", num_train=512, num_eval=0, seed=0, image_size=64 if args.smoke else 448
             )
-        rows = [run_variant(name, args, model, data, work) for name in args.variants.split(",") if name]
+        rows: list[dict[str, Any]] = []
+        for name in filter(None, args.variants.split(",")):
+            rows.append(run_variant(name, args, model, data, work))
+            report = report_of(rows, args)
+            if not args.smoke:  # after every variant: a call cut at its time limit keeps what it measured
+                out = Path(args.out)
+                out.mkdir(parents=True, exist_ok=True)
+                (out / "gpu_rollout.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\n{'variant':<16}{'tokens/s':>10}{'batch s':>9}{'start s':>9}{'vs job':>8}")
+    for r in rows:
+        if "generated_tokens_per_s" not in r:
+            print(f"{r['variant']:<16} {r['status']}")
+            continue
+        vs = f"{r['vs_job']:8.2f}" if "vs_job" in r else f"{'-':>8}"
+        print(
+            f"{r['variant']:<16}{r['generated_tokens_per_s']:10.0f}{r['batch_s']:9.1f}{r['engine_start_s']:9.1f}{vs}"
+        )
+
+
+def report_of(rows: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    """The results file of the variants measured so far: each against the job's engine when it was measured."""
+    from gpu_grpo_step import versions
+
     job = next((r for r in rows if r["variant"] == "job" and "generated_tokens_per_s" in r), None)
     for r in rows:
         if job and "generated_tokens_per_s" in r:
             r["vs_job"] = r["generated_tokens_per_s"] / job["generated_tokens_per_s"]
-    report = {
+    return {
         "benchmark": "gpu_rollout",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": {"device": _device(), **versions()},
@@ -199,20 +221,6 @@ def main() -> None:
         },  # fmt: skip
         "results": rows,
     }
-    print(f"\n{'variant':<16}{'tokens/s':>10}{'batch s':>9}{'start s':>9}{'vs job':>8}")
-    for r in rows:
-        if "generated_tokens_per_s" not in r:
-            print(f"{r['variant']:<16} {r['status']}")
-            continue
-        vs = f"{r['vs_job']:8.2f}" if "vs_job" in r else f"{'-':>8}"
-        print(
-            f"{r['variant']:<16}{r['generated_tokens_per_s']:10.0f}{r['batch_s']:9.1f}{r['engine_start_s']:9.1f}{vs}"
-        )
-    if args.smoke:
-        return
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_rollout.json").write_text(json.dumps(report, indent=2) + "\n")
 
 
 def run_variant(name: str, args: argparse.Namespace, model: Path, data: Path, work: Path) -> dict[str, Any]:

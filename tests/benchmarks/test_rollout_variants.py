@@ -58,3 +58,19 @@ def test_a_row_says_whether_this_vllm_reads_the_variants_environment(monkeypatch
     assert gpu_rollout.known_env("job") == {}
     monkeypatch.setitem(gpu_rollout.VARIANT_ENV, "job", {"VLLM_NOT_A_SETTING": "1"})
     assert gpu_rollout.known_env("job") == {"VLLM_NOT_A_SETTING": False}
+
+
+def test_the_results_so_far_are_each_against_the_jobs_engine() -> None:
+    """After each variant the file is written again: 14,000 against the job's 15,000 is 0.9333; a failed variant
+    and one measured before the job's engine carry no ratio until the job's row is in."""
+    import argparse
+
+    import gpu_rollout
+
+    args = argparse.Namespace(size="64x8x512", overrides=["rollout.gpu_memory_utilization=0.9"])
+    dual = {"variant": "dual_stream", "generated_tokens_per_s": 14000.0}
+    first = gpu_rollout.report_of([dual], args)
+    assert "vs_job" not in first["results"][0] and first["setup"]["overrides"] == args.overrides
+    rows = [dual, {"variant": "job", "generated_tokens_per_s": 15000.0}, {"variant": "x", "status": "failed"}]
+    got = gpu_rollout.report_of(rows, args)["results"]
+    assert [r.get("vs_job") for r in got] == [pytest.approx(14000 / 15000), 1.0, None]
