@@ -9,6 +9,7 @@ import pytest
 
 from visionrl.errors import RunError
 from visionrl.orchestrate.delivery import (
+    REFRESH_CHECKS,
     DiffWatch,
     FingerprintPrompt,
     FingerprintWatch,
@@ -25,19 +26,26 @@ def _c(ids: list[int], lps: list[float]) -> Completion:
     return Completion(prompt_index=0, token_ids=ids, text="", logprobs=lps, finish_reason="stop")
 
 
-def test_the_fingerprint_continuation_is_the_first_completion_with_tokens_and_stays() -> None:
-    """No continuation until a check fixes one: engine 0 rejected the prompt (None), engine 1 returned no tokens,
-    engine 2's tokens become it; a later check never replaces it. The learner's batch is that one sequence."""
+def test_the_fingerprint_continuation_is_fixed_by_a_greedy_check_and_refreshed_every_so_many() -> None:
+    """No continuation until a greedy check fixes one: engine 0 rejected the prompt (None), engine 1 returned no
+    tokens, engine 2's tokens become it. Then REFRESH_CHECKS teacher-forced checks, each the same one sequence for
+    the learner, after which the next check is greedy; its tokens replace the continuation and the count restarts
+    (a greedy check without tokens keeps the old one)."""
     check = FingerprintPrompt(PromptItem("a", []))
-    assert check.learner_batch() is None
+    assert check.forced_batch() is None
     check.fix([None, _c([], []), _c([7, 8, 9], [-1.0, -2.0, -3.0])])
-    check.fix([_c([4], [-0.5])])
-    assert check.continuation == [7, 8, 9]
-    batch = check.learner_batch()
+    batches = [check.forced_batch() for _ in range(REFRESH_CHECKS)]
+    assert all(b is not None for b in batches) and check.forced_batch() is None
+    batch = batches[0]
     assert batch is not None and batch.prompts == [check.prompt] and len(batch.sequences) == 1
     seq = batch.sequences[0]
     assert (seq.prompt, seq.completion_ids, seq.advantage) == (0, [7, 8, 9], 0.0)
     assert seq.scored().tolist() == [True, True, True]  # every token scored
+    check.fix([None])
+    assert check.continuation == [7, 8, 9] and check.forced_batch() is None
+    check.fix([_c([4], [-0.5])])
+    refreshed = check.forced_batch()
+    assert refreshed is not None and refreshed.sequences[0].completion_ids == [4] and check.forced == 1
 
 
 def test_scoring_batch_keeps_each_engines_first_completion_and_its_owner() -> None:

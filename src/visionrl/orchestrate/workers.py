@@ -294,7 +294,7 @@ class Workers:
     def sync_adapter(self) -> Synced:
         """The learner's adapter to every engine, and each engine's fingerprint under it. Once the fingerprint's
         continuation is fixed, the learner scores it while the engines load (`orchestrate.delivery`)."""
-        fixed = self._check.learner_batch() if self._check is not None else None
+        fixed = self._check.forced_batch() if self._check is not None else None
 
         def attempt() -> tuple[int, dict[str, float], list[float] | None]:
             # rank 0's payload, resolved once in the object store; every rank takes part in building it
