@@ -75,6 +75,7 @@ def test_committed_results_name_each_target() -> None:
     report = json.loads(path.read_text())
     assert report["targets"] == gpu_grpo_step.targets(report)  # the file's verdicts follow from its numbers
     assert all(t["met"] or t["why"] for t in report["targets"])
+    assert all(isinstance(r["gradient_checkpointing"], bool) for r in report["trl"])  # each TRL row's setting
 
 
 def _full_row(**over: object) -> dict:  # type: ignore[type-arg]
