@@ -354,17 +354,25 @@ def capped_overrides(overrides: list[str], cap_gib: float, total_gib: float, job
     return [*kept, f"{key}{share * cap_gib / total_gib:.4f}", f"train.gpu_memory_gib={cap_gib:g}"]
 
 
+def row_label(size: str, lengths: str, extra: list[str]) -> str:
+    """What a visionrl row is called: its size, "spread" for spread lengths, and a learner cap (`--cap-gib`) in GiB,
+    so that a capped run never replaces the card's own row of that size when results merge."""
+    cap = [o.split("=", 1)[1] for o in extra if o.startswith("train.gpu_memory_gib=")]
+    return " ".join(
+        [size, *(["spread"] if lengths == "spread" else []), *([f"at {cap[-1]} GiB"] if cap else [])]
+    )
+
+
 def run_visionrl(
     size: str, model: Path, data: Path, work: Path, steps: int, smoke: bool, params: float, extra: list[str],
     lengths: str = "equal",
 ) -> dict[str, Any]:  # fmt: skip
     """visionrl's loop at `size`; with `lengths` spread, every completion ends at its own length (the rollout
-    engines get length_spread.SpreadLengths through rollout.vllm_engine_args). The row's size is `size`, or
-    "`size` spread"."""
+    engines get length_spread.SpreadLengths through rollout.vllm_engine_args). The row's size is `row_label`'s."""
     from visionrl.config import load_config
     from visionrl.orchestrate.loop import train
 
-    label = size if lengths == "equal" else f"{size} spread"
+    label = row_label(size, lengths, extra)
     over = overrides_for(size, model, data, work / f"run-{label.replace(' ', '-')}", steps, smoke) + list(
         extra
     )

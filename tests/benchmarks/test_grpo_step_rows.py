@@ -68,3 +68,12 @@ def test_a_smaller_cards_setting_on_a_larger_card() -> None:
         "train.gpu_memory_gib=79.6",
     ]
     assert gpu_grpo_step.capped_overrides([], 79.6, 140.4, 0.6)[0] == "rollout.gpu_memory_utilization=0.3402"
+
+
+def test_a_capped_run_has_a_row_of_its_own() -> None:
+    """The targets read the row named "64x8x512"; a run capped to an 80 GB card's memory is named apart."""
+    capped = gpu_grpo_step.capped_overrides([], 79.6, 140.4, 0.6)
+    assert gpu_grpo_step.row_label("64x8x512", "equal", []) == "64x8x512"
+    assert gpu_grpo_step.row_label("64x8x512", "spread", ["train.packing=true"]) == "64x8x512 spread"
+    assert gpu_grpo_step.row_label("64x8x512", "equal", capped) == "64x8x512 at 79.6 GiB"
+    assert gpu_grpo_step.row_label("64x8x512", "spread", capped) == "64x8x512 spread at 79.6 GiB"
