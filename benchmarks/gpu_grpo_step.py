@@ -267,6 +267,10 @@ def main() -> None:
 
         from visionrl.config import load_config
 
+        if not torch.cuda.is_available():
+            p.error(
+                "--cap-gib needs a GPU: it caps the learner on the card and scales the engine's share of it"
+            )
         total_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
         share = load_config(JOB).rollout.gpu_memory_utilization
         args.overrides = capped_overrides(args.overrides, args.cap_gib, total_gib, share)

@@ -77,3 +77,15 @@ def test_a_capped_run_has_a_row_of_its_own() -> None:
     assert gpu_grpo_step.row_label("64x8x512", "spread", ["train.packing=true"]) == "64x8x512 spread"
     assert gpu_grpo_step.row_label("64x8x512", "equal", capped) == "64x8x512 at 79.6 GiB"
     assert gpu_grpo_step.row_label("64x8x512", "spread", capped) == "64x8x512 spread at 79.6 GiB"
+
+
+def test_a_cap_without_a_gpu_is_refused_before_anything_runs() -> None:
+    import os
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/gpu_grpo_step.py", "--smoke", "--cap-gib", "79.6"],
+        cwd=root, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(root / "src")},
+    )  # fmt: skip
+    assert proc.returncode == 2 and "--cap-gib needs a GPU" in proc.stderr
