@@ -6,6 +6,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import gpu_grpo_step
@@ -81,6 +83,11 @@ def test_a_capped_run_has_a_row_of_its_own() -> None:
 
 def test_a_cap_without_a_gpu_is_refused_before_anything_runs() -> None:
     import os
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a machine without a GPU: here the run would start")
     import subprocess
 
     root = Path(__file__).resolve().parents[2]
