@@ -1,5 +1,6 @@
 """benchmarks/gpu_grpo_step.py's rows across calls: TRL's two settings (activation recompute on and off) are kept
-apart when results files merge, and visionrl's rows get the figures of TRL's fastest setting."""
+apart when results files merge, visionrl's rows get the figures of TRL's fastest setting, and a smaller card's
+setting run on a larger one (`--cap-gib`) has its overrides and a row of its own."""
 
 from __future__ import annotations
 
