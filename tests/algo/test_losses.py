@@ -432,3 +432,14 @@ def test_token_logprobs_bad_inputs() -> None:
         token_logprobs(torch.zeros(1, 2, 5), torch.zeros(1, 2))
     with pytest.raises(ValueError, match=r"logits \(1, 3, 5\), token_ids \(1, 2\)"):
         token_logprobs(torch.zeros(1, 3, 5), torch.zeros(1, 2, dtype=torch.long))
+
+
+def test_the_policy_loss_goes_by_its_design_name_in_losses() -> None:
+    """`losses.policy_loss` (the design's name) is the policy loss of `policy_losses`: PPO at ratio 1 with advantage
+    +1 on two tokens is -1 (the token mean of -A * r)."""
+    from visionrl.algo import losses, policy_losses
+
+    assert losses.policy_loss is policy_losses.policy_loss
+    lp = torch.zeros(1, 2)
+    loss, metrics = losses.policy_loss(lp, lp, torch.ones(1), torch.ones(1, 2))
+    assert float(loss) == -1.0 and metrics["clip_fraction"] == 0.0

@@ -1,8 +1,9 @@
-"""Per-token terms of GRPO-style losses besides the policy loss: KL estimators, entropy, token log-probs.
+"""The losses of GRPO-style training: KL estimators, entropy, token log-probs, and the policy loss.
 
 Pure tensor math, no I/O. Shapes: B sequences (completions) by T padded response tokens. The KL estimators
 are looked up by name in ``_KL_KINDS``; they return per-token values, which ``visionrl.algo.aggregation``
-reduces the way the policy loss (``visionrl.algo.policy_losses``) is reduced.
+reduces the way the policy loss is reduced. The policy loss and its kinds live in ``visionrl.algo.policy_losses``
+and are named here too (``losses.policy_loss``, the name the design gives it).
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-__all__ = ["KL_KINDS", "entropy_from_logits", "kl_penalty", "token_logprobs"]
+from visionrl.algo.policy_losses import policy_loss
+
+__all__ = ["KL_KINDS", "entropy_from_logits", "kl_penalty", "policy_loss", "token_logprobs"]
 
 # k3 is clamped to [-10, 10]; its argument reaches that clamp well inside +-20 (k3(2.7) > 10 and
 # k3(-11.1) > 10), so pre-clamping at +-20 changes no value but keeps exp() from overflowing.
