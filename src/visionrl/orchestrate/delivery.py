@@ -11,9 +11,9 @@ Three checks, each comparing the engine with the learner on the same tokens unde
   The first check (at start-up) takes each engine's greedy completion and has the learner score it; its tokens
   then stay the continuation (`FingerprintPrompt`, a greedy check again every `REFRESH_CHECKS` syncs): later
   checks teacher-force them, so an engine scores them in one prefill and the learner scores them while the engines
-  load the version, not after. Those log-probs are
-  raw on both sides (over the whole vocabulary: vLLM's prompt log-probs skip its sampling processors). It names
-  the engine; `rollout.max_logprob_diff_steps` syncs in a row over the bound stop the run.
+  load the version, not after. Those log-probs are raw on both sides (over the whole vocabulary: vLLM's prompt
+  log-probs skip its sampling processors). It names the engine; `rollout.max_logprob_diff_steps` syncs in a row
+  over the bound stop the run.
 - **The rollout mismatch** (`rollout/logprob_diff`, every update): the learner's log-probs of the sampled
   tokens under the version that sampled them against the engine's.
 Fingerprint and rollout mismatch are bounded twice (`DiffWatch`): by `rollout.max_logprob_diff` and, once the

@@ -70,9 +70,9 @@ class Synced:
     version: int
     fingerprint_diffs: list[float]
     load_s: float = 0.0  # the adapter to every engine and loaded there
-    check_s: float = 0.0  # the fingerprint: each engine's greedy completion, scored by the learner
+    check_s: float = 0.0  # the fingerprint after the load: the engines' part, and the learner's when greedy
     # the slowest engine's seconds of each part: load_s's (the learner's build, the way to the engine, the
-    # engine's own parts) and check_s's (the engines' fingerprint completions, the learner's scoring)
+    # engine's own parts) and check_s's (the engines' fingerprint, the learner's scoring after it)
     parts: dict[str, float] = field(default_factory=dict)
 
 
