@@ -9,7 +9,8 @@
 #   equal | spread  the whole step at 64 x 8 x 512 through visionrl's loop, 3 steps (gpu_grpo_step.py)
 #   trl             TRL's GRPOTrainer and visionrl on the same spread lengths at 16 x 8 x 256; TRL with activation
 #                   recompute on and off (TRL_RECOMPUTE=on or off for one: off needs more than 80 GB)
-#   rollout         the job's vLLM engine alone, one setting at a time (gpu_rollout.py; VARIANTS=... to choose)
+#   rollout         the job's vLLM engine alone, one setting at a time (gpu_rollout.py; VARIANTS=... to choose;
+#                   tuned_lora tunes vLLM's LoRA kernels for the job first, lora_kernel_tune.py, kept in WORK)
 #   tests           the GPU tests (tests/gpu)
 # Extra key=value arguments override the job file (the 80 GB setting of its header, for example).
 # Folders: WORK (default /tmp/visionrl-gpu-work) keeps the checkpoint, the data and RESULTS (default WORK/results:
@@ -36,6 +37,9 @@ keep_runs() {  # each run's history and logs, and the results files
         cp "$run"/*.jsonl "$run"/*.log "$OUT/$(basename "$run")/" 2>/dev/null
     done
     cp "$RESULTS"/*.json "$OUT/" 2>/dev/null
+    if [ -d "$WORK/lora-kernels" ]; then  # the tuned LoRA kernel folder (tuned_lora) and its report
+        mkdir -p "$OUT/lora-kernels" && cp "$WORK"/lora-kernels/*.json "$OUT/lora-kernels/" 2>/dev/null
+    fi
 }
 
 case $part in

@@ -19,6 +19,8 @@ Variants (`--variants`, comma-separated; default all):
               engine's start
   dual_stream vLLM's LoRA on a second CUDA stream beside the base layer's GEMM (VLLM_LORA_ENABLE_DUAL_STREAM=1,
               with programmatic dependent launch on Hopper): what of LoRA's cost overlaps
+  tuned_lora  vLLM's LoRA kernels tuned for the job's shapes on this card (lora_kernel_tune.py; the folder is kept
+              beside the checkpoint and reused by a later call) through rollout.vllm_env's VLLM_TUNED_CONFIG_FOLDER
 
 On a CUDA machine with vLLM, from the repository root:
     PYTHONPATH=src python benchmarks/gpu_rollout.py [--size 64x8x512] [--variants job,no_lora,seqs_512]
@@ -51,7 +53,9 @@ VARIANTS = [
     "tokens_32768",
     "lora_graphs",
     "dual_stream",
+    "tuned_lora",
 ]
+TUNE_BUDGET_S = 240.0  # tuned_lora's search (the rows it does not reach keep vLLM's default config)
 # Variants that are an environment variable of the engine's process, not a job setting
 VARIANT_ENV = {"dual_stream": {"VLLM_LORA_ENABLE_DUAL_STREAM": "1"}}
 
@@ -67,7 +71,7 @@ def variant_overrides(name: str) -> list[str]:
         return [f"rollout.gpu_memory_utilization={float(value)}"]
     if name == "lora_graphs":
         return ["rollout.vllm_engine_args={compilation_config: {cudagraph_specialize_lora: false}}"]
-    if name in ("job", "no_lora", *VARIANT_ENV):
+    if name in ("job", "no_lora", "tuned_lora", *VARIANT_ENV):
         return []
     raise SystemExit(f"unknown variant {name!r}: job, no_lora, seqs_N, tokens_N or share_X")
 
@@ -116,6 +120,10 @@ def one_variant(args: argparse.Namespace) -> dict[str, Any]:
             "ray.learner_gpus=0",
             "algorithm.overlong_buffer=null",
         ]
+    tuned = None
+    if args.one == "tuned_lora":
+        tuned = tuned_lora_folder(args, load_config(JOB, over).lora.rank)
+        over.append(f"rollout.vllm_env={{VLLM_TUNED_CONFIG_FOLDER: {tuned['folder']}}}")
     cfg = load_config(JOB, over)
     lora = cfg.lora.model_copy(update={"rank": 0}) if args.one == "no_lora" else cfg.lora
     items = PromptStream(cfg).next_batch()  # the job's prompts: its system prompt, its image bounds
@@ -138,7 +146,41 @@ def one_variant(args: argparse.Namespace) -> dict[str, Any]:
     generated = sum(len(c.token_ids) for group_out in out for c in group_out)
     return {"variant": args.one, "engine_start_s": start_s, "batch_s": batch_s, "generated_tokens": generated,
             "generated_tokens_per_s": generated / batch_s, "overrides": variant_overrides(args.one),
-            "env": VARIANT_ENV.get(args.one, {}), "env_known_to_vllm": known_env(args.one)}  # fmt: skip
+            "env": VARIANT_ENV.get(args.one, {}), "env_known_to_vllm": known_env(args.one),
+            **({"lora_kernels": tuned} if tuned else {})}  # fmt: skip
+
+
+def tuned_lora_folder(args: argparse.Namespace, rank: int) -> dict[str, Any]:
+    """The job's LoRA kernels tuned on this card, in a folder beside the checkpoint (an earlier call's is reused):
+    the folder, the tuning's seconds and the kernels' time per decode forward of 512 rows before and after."""
+    import gc
+
+    from lora_kernel_tune import tune_folder
+
+    from visionrl.rollout.lora_kernels import DEFAULT_MS
+
+    folder = args.model.parent / "lora-kernels"
+    report_file = folder / "lora_kernel_tune.json"
+    if report_file.exists():
+        report, reused = json.loads(report_file.read_text()), True
+    else:
+        report = tune_folder(
+            None if args.smoke else args.model,
+            rank,
+            folder,
+            list(DEFAULT_MS),
+            smoke=args.smoke,
+            budget_s=TUNE_BUDGET_S,
+        )
+        report_file.write_text(json.dumps(report, indent=1) + "\n")
+        reused = False
+        gc.collect()  # the tuner's tensors and graphs, before vLLM measures the card's free memory
+        if not args.smoke:
+            import torch
+
+            torch.cuda.empty_cache()
+    return {"folder": str(folder), "reused": reused, "tune_s": report["tune_s"],
+            "per_decode_step_us_512": report["per_decode_step_us"].get("512")}  # fmt: skip
 
 
 def known_env(variant: str) -> dict[str, bool]:

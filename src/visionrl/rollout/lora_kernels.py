@@ -1,0 +1,291 @@
+"""vLLM's LoRA kernels tuned for one job: the shapes its engine runs, a search over the Triton kernels' block sizes
+on the card, and the folder vLLM reads them from (`rollout.vllm_env: {VLLM_TUNED_CONFIG_FOLDER: DIR}`).
+
+vLLM applies a LoRA linear as two Triton kernels, `shrink` (x @ A: hidden -> rank, one output per slice of a merged
+projection) and `expand` (y += s @ B: rank -> the slices' outputs). Without a tuned folder every shape gets one
+default block configuration (docs/ENGINE_NOTES.md, "LoRA kernel configs"): at the job's decode batch of 512 rows
+and rank 64 LoRA costs about a fifth of the generation. A tuned folder holds `{GPU}_SHRINK.json` and
+`{GPU}_EXPAND_TRUE.json`, each `[max_loras][num_slices][m][k][n] -> config`; vLLM takes the nearest m, k and n it
+finds, and uses the file for every shape once it exists, so every slice count the model has must be present.
+
+The search here is pure (`descend`, `tune`: timings come from a function), the files are plain JSON
+(`vllm_files`, `write_folder`); `KernelTimer` times vLLM's own kernels on a CUDA device.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+Config = dict[str, int | None]
+TimeFn = Callable[[Config], float]  # microseconds for one kernel call; raises for a config the card can't run
+
+# The token counts tuned, in the order they are tuned (a time budget may cut the last ones): the job's decode batch
+# (512 sequences) and smaller CUDA-graph sizes first, then prefill chunks. vLLM takes the nearest key for any other.
+DEFAULT_MS = (512, 256, 128, 64, 16, 1, 1024, 4096, 16384)
+SEARCH_SPACE: dict[str, dict[str, tuple[int, ...]]] = {
+    "shrink": {
+        "block_m": (16, 32, 64, 128),
+        "block_n": (16, 32, 64),
+        "block_k": (32, 64, 128, 256),
+        "split_k": (1, 2, 4, 8, 16, 32, 64),
+        "num_warps": (2, 4, 8),
+        "num_stages": (2, 3, 4),
+    },
+    "expand": {
+        "block_m": (16, 32, 64, 128),
+        "block_n": (32, 64, 128, 256),
+        "block_k": (16, 32, 64),
+        "num_warps": (2, 4, 8),
+        "num_stages": (2, 3, 4),
+    },
+}
+SLICE_COUNTS = (
+    1,
+    2,
+    3,
+)  # a linear, gate_up (2), qkv (3): vLLM indexes the file by the slice count, never nearest
+
+
+@dataclass(frozen=True)
+class LoraShape:
+    """One LoRA kernel of the model: `op` shrink (k = the input features, n = rank) or expand (k = rank, n = the
+    largest slice's output features; `outs` every slice's), with `slices` outputs; `name` the projections using it."""
+
+    op: str
+    slices: int
+    k: int
+    n: int
+    outs: tuple[int, ...]
+    name: str
+
+
+def job_shapes(text_config: Mapping[str, Any], rank: int) -> list[LoraShape]:
+    """The shrink and expand kernels of a decoder layer with LoRA on its seven projections (q, k, v, o, gate, up,
+    down), from the language model's config; projections sharing a kernel shape are listed once."""
+    hidden, inter = int(text_config["hidden_size"]), int(text_config["intermediate_size"])
+    heads, kv_heads = int(text_config["num_attention_heads"]), int(text_config["num_key_value_heads"])
+    head_dim = int(text_config.get("head_dim") or hidden // heads)
+    q, kv = heads * head_dim, kv_heads * head_dim
+    layers = [  # (name, input features, slice outputs)
+        ("qkv_proj", hidden, (q, kv, kv)),
+        ("o_proj", q, (hidden,)),
+        ("gate_up_proj", hidden, (inter, inter)),
+        ("down_proj", inter, (hidden,)),
+    ]
+    shapes: dict[tuple[str, int, int, int], LoraShape] = {}
+    for name, k_in, outs in layers:
+        for shape in (
+            LoraShape("shrink", len(outs), k_in, rank, (rank,) * len(outs), name),
+            LoraShape("expand", len(outs), rank, max(outs), outs, name),
+        ):
+            key = (shape.op, shape.slices, shape.k, shape.n)
+            if key in shapes:
+                shapes[key] = LoraShape(*key, shapes[key].outs, f"{shapes[key].name}+{name}")
+            else:
+                shapes[key] = shape
+    return list(shapes.values())
+
+
+def default_config(op: str, m: int, slices: int) -> Config:
+    """vLLM 0.26's configuration when no tuned file exists (vllm/lora/ops/triton_ops/utils.py,
+    `get_lora_op_configs`): the search's starting point, and what a tuned entry is measured against."""
+    if op == "shrink":
+        return {
+            "block_m": 32, "block_n": 16, "block_k": 256 if m < 128 else 32, "split_k": 64 if m < 128 else 8,
+            "num_warps": 4, "num_ctas": 1, "group_size_m": 8, "num_stages": 2, "max_nreg": None,
+        }  # fmt: skip
+    return {
+        "block_m": 64, "block_n": 64 if slices > 1 else 128, "block_k": 32, "num_warps": 4, "num_ctas": 1,
+        "num_stages": 2, "max_nreg": None,
+    }  # fmt: skip
+
+
+def _key(config: Config) -> tuple[tuple[str, Any], ...]:
+    return tuple(sorted(config.items()))
+
+
+def descend(
+    time_fn: TimeFn,
+    start: Config,
+    space: Mapping[str, Iterable[int]],
+    passes: int = 2,
+    deadline: float = float("inf"),
+) -> tuple[Config, float, float]:
+    """Coordinate descent from `start`: each key of `space` in turn takes the value that times fastest with the
+    others held, for `passes` rounds or until a round changes nothing. A config whose call raises (too many
+    registers or too much shared memory for the card) is skipped. Returns the best config, its time and `start`'s
+    (timed first, so the result is never slower than it). Past `deadline` (time.monotonic()) no new candidate is
+    tried: the best so far is returned."""
+    seen: dict[tuple[tuple[str, Any], ...], float] = {}
+
+    def timed(config: Config) -> float:
+        key = _key(config)
+        if key not in seen:
+            try:
+                seen[key] = float(time_fn(config))
+            except Exception:
+                seen[key] = float("inf")
+        return seen[key]
+
+    best, best_t = dict(start), timed(start)
+    start_t = best_t
+    if start_t == float("inf"):
+        raise RuntimeError(f"the starting LoRA kernel config does not run: {start}")
+    for _ in range(passes):
+        moved = False
+        for name, values in space.items():
+            for value in values:
+                if time.monotonic() > deadline:
+                    return best, best_t, start_t
+                trial = {**best, name: value}
+                t = timed(trial)
+                if t < best_t:
+                    best, best_t, moved = trial, t, True
+        if not moved:
+            break
+    return best, best_t, start_t
+
+
+def tune(
+    shapes: Iterable[LoraShape],
+    ms: Iterable[int],
+    timer: Callable[[LoraShape, int], TimeFn],
+    passes: int = 2,
+    progress: Callable[[dict[str, Any]], None] | None = None,
+    budget_s: float = float("inf"),
+) -> list[dict[str, Any]]:
+    """The fastest config of every shape at every token count: one row each with the default's and the tuned
+    config's microseconds (`timer(shape, m)` gives the time function of that kernel call). After `budget_s`
+    seconds the remaining rows keep what they found (at least the default)."""
+    deadline = time.monotonic() + budget_s
+    rows = []
+    shapes = list(shapes)
+    for m in ms:
+        for shape in shapes:
+            time_fn = timer(shape, m)
+            start = default_config(shape.op, m, shape.slices)
+            best, best_t, start_t = descend(time_fn, start, SEARCH_SPACE[shape.op], passes, deadline)
+            row = {
+                "op": shape.op, "name": shape.name, "slices": shape.slices, "k": shape.k, "n": shape.n, "m": m,
+                "default_us": start_t, "tuned_us": best_t, "config": best,
+            }  # fmt: skip
+            rows.append(row)
+            if progress is not None:
+                progress(row)
+    return rows
+
+
+def vllm_files(rows: Iterable[Mapping[str, Any]], max_loras: int) -> dict[str, dict[str, Any]]:
+    """The tuned rows as vLLM's files (name suffix -> data): `SHRINK` and `EXPAND_TRUE` (the linear layers add
+    into their output), keyed `[max_loras + 1][slices][m][k][n]` (vLLM counts the no-LoRA slot). A slice count the
+    rows lack gets the nearest one's entries: vLLM looks it up exactly."""
+    files: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        suffix = "SHRINK" if row["op"] == "shrink" else "EXPAND_TRUE"
+        by_slices = files.setdefault(suffix, {}).setdefault(str(max_loras + 1), {})
+        entry = by_slices.setdefault(str(row["slices"]), {}).setdefault(str(row["m"]), {})
+        entry.setdefault(str(row["k"]), {})[str(row["n"])] = dict(row["config"])
+    for data in files.values():
+        for by_slices in data.values():
+            have = sorted(int(s) for s in by_slices)
+            for slices in SLICE_COUNTS:
+                if str(slices) not in by_slices:
+                    nearest = min(have, key=lambda s: abs(s - slices))
+                    by_slices[str(slices)] = json.loads(json.dumps(by_slices[str(nearest)]))
+    return files
+
+
+def gpu_file_stem(device_name: str) -> str:
+    """The card's name as vLLM spells it in the files' names ("NVIDIA H200" -> "NVIDIA_H200")."""
+    return device_name.replace(" ", "_").replace("-", "_")
+
+
+def write_folder(
+    rows: Iterable[Mapping[str, Any]], folder: Path, device_name: str, max_loras: int = 1
+) -> list[Path]:
+    """Writes the tuned rows as vLLM's files for `device_name` into `folder` (created; files replaced whole)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for suffix, data in vllm_files(rows, max_loras).items():
+        path = folder / f"{gpu_file_stem(device_name)}_{suffix}.json"
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+        tmp.replace(path)
+        written.append(path)
+    return written
+
+
+class KernelTimer:
+    """Times vLLM's own shrink and expand kernels on the CUDA device with a given config (vLLM's config lookup is
+    replaced for the call): bf16 weights of `max_loras` adapters, every token on adapter 0, the metadata vLLM's
+    LoRA wrapper builds, `reps` calls captured in a CUDA graph as the engine's decode runs them."""
+
+    def __init__(self, max_loras: int = 1, reps: int = 20, replays: int = 5) -> None:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                "tuning vLLM's LoRA kernels needs a CUDA device: run it on the GPU the job uses"
+            )
+        self.max_loras, self.reps, self.replays = max_loras, reps, replays
+        self.device_name = torch.cuda.get_device_name()
+
+    def __call__(self, shape: LoraShape, m: int) -> TimeFn:
+        import torch
+        from vllm.lora.ops.triton_ops import lora_expand_op, lora_shrink_op, utils
+        from vllm.lora.ops.triton_ops.lora_kernel_metadata import LoRAKernelMeta
+
+        # vLLM caches each weight list's pointer table by address: a freed shape's address reused by the next
+        # shape's weights would get the old strides
+        utils._LORA_A_PTR_DICT.clear()
+        utils._LORA_B_PTR_DICT.clear()
+        dev, bf16 = torch.device("cuda"), torch.bfloat16
+        meta = LoRAKernelMeta.make(self.max_loras, m, device=dev)
+        meta.prepare_tensors(torch.zeros(m, dtype=torch.int32, device=dev))
+        args = meta.meta_args(m, False)
+        if shape.op == "shrink":
+            x = torch.randn(m, shape.k, dtype=bf16, device=dev)
+            weights = [
+                torch.randn(self.max_loras, shape.n, shape.k, dtype=bf16, device=dev) for _ in shape.outs
+            ]
+            out = torch.empty(shape.slices, m, shape.n, dtype=torch.float32, device=dev)
+            module, call = lora_shrink_op, lambda: lora_shrink_op._lora_shrink(x, weights, out, *args, 1.0)
+        else:
+            s = torch.randn(shape.slices, m, shape.k, dtype=torch.float32, device=dev)
+            weights = [torch.randn(self.max_loras, n, shape.k, dtype=bf16, device=dev) for n in shape.outs]
+            y = torch.zeros(m, sum(shape.outs), dtype=bf16, device=dev)
+            module = lora_expand_op
+            call = lambda: lora_expand_op._lora_expand(s, weights, y, *args, offset_start=0, add_inputs=True)  # noqa: E731
+
+        def time_fn(config: Config) -> float:
+            original = module.get_lora_op_configs
+            module.get_lora_op_configs = lambda *a, **k: config
+            try:
+                return self._graph_us(call)
+            finally:
+                module.get_lora_op_configs = original
+
+        return time_fn
+
+    def _graph_us(self, call: Callable[[], None]) -> float:
+        import torch
+
+        call()  # compiles the kernel for this config, caches the weights' pointer table
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(self.reps):
+                call()
+        graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(self.replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) * 1000.0 / (self.replays * self.reps)
