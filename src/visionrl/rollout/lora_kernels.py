@@ -18,6 +18,7 @@ import json
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -223,7 +224,8 @@ def write_folder(
 class KernelTimer:
     """Times vLLM's own shrink and expand kernels on the CUDA device with a given config (vLLM's config lookup is
     replaced for the call): bf16 weights of `max_loras` adapters, every token on adapter 0, the metadata vLLM's
-    LoRA wrapper builds, `reps` calls captured in a CUDA graph as the engine's decode runs them."""
+    LoRA wrapper builds, `reps` calls captured in a CUDA graph as the engine's decode runs them. Each config's
+    output is first checked against a float32 matmul (1% of the largest value): one that differs is refused."""
 
     def __init__(self, max_loras: int = 1, reps: int = 20, replays: int = 5) -> None:
         import torch
@@ -254,18 +256,28 @@ class KernelTimer:
                 torch.randn(self.max_loras, shape.n, shape.k, dtype=bf16, device=dev) for _ in shape.outs
             ]
             out = torch.empty(shape.slices, m, shape.n, dtype=torch.float32, device=dev)
-            module, call = lora_shrink_op, lambda: lora_shrink_op._lora_shrink(x, weights, out, *args, 1.0)
+            ref = torch.stack([x.float() @ w[0].float().T for w in weights])
+            module = lora_shrink_op
+            call = partial(lora_shrink_op._lora_shrink, x, weights, out, *args, 1.0)
         else:
             s = torch.randn(shape.slices, m, shape.k, dtype=torch.float32, device=dev)
             weights = [torch.randn(self.max_loras, n, shape.k, dtype=bf16, device=dev) for n in shape.outs]
-            y = torch.zeros(m, sum(shape.outs), dtype=bf16, device=dev)
+            out = torch.zeros(m, sum(shape.outs), dtype=bf16, device=dev)
+            ref = torch.cat([s[i] @ w[0].float().T for i, w in enumerate(weights)], dim=1)
             module = lora_expand_op
-            call = lambda: lora_expand_op._lora_expand(s, weights, y, *args, offset_start=0, add_inputs=True)  # noqa: E731
+            call = partial(
+                lora_expand_op._lora_expand, s, weights, out, *args, offset_start=0, add_inputs=True
+            )
 
         def time_fn(config: Config) -> float:
             original = module.get_lora_op_configs
             module.get_lora_op_configs = lambda *a, **k: config
             try:
+                out.zero_()  # expand adds into its output
+                call()  # compiles the kernel for this config, caches the weights' pointer table
+                error = (out.float() - ref).abs().max().item() / max(ref.abs().max().item(), 1e-6)
+                if not error <= 1e-2:  # a config that computes something else is no candidate
+                    raise ArithmeticError(f"LoRA {shape.op} config {config} is off by {error:.3g} (relative)")
                 return self._graph_us(call)
             finally:
                 module.get_lora_op_configs = original
@@ -275,7 +287,6 @@ class KernelTimer:
     def _graph_us(self, call: Callable[[], None]) -> float:
         import torch
 
-        call()  # compiles the kernel for this config, caches the weights' pointer table
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
