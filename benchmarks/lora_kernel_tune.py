@@ -21,7 +21,6 @@ import datetime
 import json
 import platform
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -54,48 +53,17 @@ def cost_model(shape: Any, m: int) -> Any:
     return time_fn
 
 
-def per_step_us(rows: list[dict[str, Any]], layers: int, m: int, key: str) -> float:
-    """The LoRA kernels' microseconds in one forward of `m` tokens: every layer's projections (a shape named
-    "o_proj+down_proj" runs twice a layer)."""
-    return layers * sum(r[key] * len(r["name"].split("+")) for r in rows if r["m"] == m)
-
-
 def tune_folder(model_dir: Path | None, rank: int, folder: Path, ms: list[int], smoke: bool = False,
                 passes: int = 2, budget_s: float = float("inf")) -> dict[str, Any]:  # fmt: skip
-    """Tunes every shape of the model at `rank`, writes vLLM's files into `folder`; returns the report."""
-    from tqdm import tqdm
+    """Tunes every shape of the model at `rank` on this card (a cost model with --smoke) into `folder`."""
+    from visionrl.rollout.lora_kernels import KernelTimer, tune_model
 
-    from visionrl.rollout.lora_kernels import KernelTimer, job_shapes, tune, write_folder
-
-    text = text_config(model_dir)
-    shapes = job_shapes(text, rank)
     timer: Any = cost_model if smoke else KernelTimer()
-    device = "cost model (--smoke)" if smoke else timer.device_name
-    bar = tqdm(total=len(shapes) * len(ms), desc="LoRA kernel shapes tuned", unit="shape")
-    t = time.perf_counter()
-    rows = tune(shapes, ms, timer, passes=passes, progress=lambda _row: bar.update(), budget_s=budget_s)
-    bar.close()
-    files = write_folder(rows, folder, "NVIDIA H200" if smoke else device)
-    layers = int(text["num_hidden_layers"])
-    return {"device": device, "rank": rank, "budget_s": None if budget_s == float("inf") else budget_s, "tune_s": time.perf_counter() - t, "folder_files": [f.name for f in files],
-            "per_decode_step_us": {str(m): {"default": per_step_us(rows, layers, m, "default_us"),
-                                            "tuned": per_step_us(rows, layers, m, "tuned_us")} for m in ms},
-            "rows": rows}  # fmt: skip
-
-
-def print_table(report: dict[str, Any], m: int) -> None:
-    print(f"\nLoRA kernels at {m} tokens ({report['device']}, rank {report['rank']})")
-    print(
-        f"{'op':<8}{'projections':<28}{'slices':>7}{'k':>7}{'n':>7}{'default us':>12}{'tuned us':>10}{'x':>7}"
-    )
-    for r in report["rows"]:
-        if r["m"] == m:
-            print(f"{r['op']:<8}{r['name']:<28}{r['slices']:>7}{r['k']:>7}{r['n']:>7}"
-                  f"{r['default_us']:>12.1f}{r['tuned_us']:>10.1f}{r['default_us'] / r['tuned_us']:>7.2f}")  # fmt: skip
-    step = report["per_decode_step_us"].get(str(m))
-    if step:
-        print(f"all layers, one forward of {m} tokens: {step['default'] / 1000:.2f} ms default -> "
-              f"{step['tuned'] / 1000:.2f} ms tuned")  # fmt: skip
+    device = "NVIDIA H200" if smoke else timer.device_name
+    report = tune_model(text_config(model_dir), rank, folder, timer, device, ms, budget_s, passes)
+    if smoke:
+        report["device"] = "cost model (--smoke)"
+    return report
 
 
 def machine() -> dict[str, Any]:
@@ -135,7 +103,9 @@ def main() -> None:
     report = tune_folder(
         args.model, rank, args.folder, ms, smoke=args.smoke, passes=args.passes, budget_s=args.budget_s
     )
-    print_table(report, args.decode_rows)
+    from visionrl.rollout.lora_kernels import report_table
+
+    print(report_table(report, args.decode_rows))
     result = {"benchmark": "lora_kernel_tune", "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "machine": {**machine(), "device": report["device"]}, "job": JOB,
               "command": "benchmarks/lora_kernel_tune.py " + " ".join(sys.argv[1:]), **report}  # fmt: skip

@@ -74,6 +74,7 @@ SUBCOMMAND_OPTIONS = {
     "deploy": ["sagemaker"],
     "init-tiny-model": ["dir", "--arch", "--seed", "--no-pretrain", "--recipe", "--score-head"],
     "make-data": ["dir", "--task", "--num-train", "--num-eval", "--seed", "--image-size", "--question-type"],
+    "tune-lora-kernels": ["config", "overrides", "--out", "--budget-s"],
 }  # fmt: skip
 
 
@@ -111,7 +112,7 @@ def test_every_subcommand_runs_its_own_handler() -> None:
     minimal = {"train": ["job.yaml"], "export": ["a", "b"], "fetch": ["a"], "serve": ["--base", "m"],
                "deploy": ["sagemaker", "--name", "e"],
                "init-tiny-model": ["d"], "make-data": ["d", "--task", "color"],
-               "eval": ["--data", "d", "--out", "o"], "validate": []}  # fmt: skip
+               "eval": ["--data", "d", "--out", "o"], "validate": [], "tune-lora-kernels": ["job.yaml"]}  # fmt: skip
     for name, handler, _, _ in COMMANDS:
         assert parser.parse_args([name, *minimal[name]]).func is handler, name
 

@@ -146,3 +146,19 @@ def test_the_benchmark_writes_its_folder_and_table_on_the_cpu(tmp_path) -> None:
     assert step["tuned"] <= step["default"]
     assert sorted(p.name for p in tmp_path.glob("NVIDIA_H200_*.json")) == [
         "NVIDIA_H200_EXPAND_TRUE.json", "NVIDIA_H200_SHRINK.json"]  # fmt: skip
+
+
+def test_the_command_says_what_it_needs_when_the_job_or_the_machine_lacks_it(tmp_path, capsys) -> None:
+    from visionrl.cli import main
+
+    job = str(ROOT / "configs/qwen3vl_8b_grpo_lora.yaml")
+    # a model folder without config.json: bad input (exit 2), naming the key to fix
+    assert main(["tune-lora-kernels", job, f"model.path={tmp_path}"]) == 2
+    assert "model.path" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text(
+        json.dumps({"text_config": {**QWEN3_VL_8B, "num_hidden_layers": 36}})
+    )
+    # this machine has no CUDA GPU: a runtime error that says where to run it, and no folder written
+    assert main(["tune-lora-kernels", job, f"model.path={tmp_path}", "--out", str(tmp_path / "k")]) == 1
+    assert "CUDA GPU" in capsys.readouterr().err
+    assert not (tmp_path / "k").exists()

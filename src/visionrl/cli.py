@@ -22,6 +22,7 @@ from visionrl.cli_args import (
     make_data_args,
     serve_args,
     train_args,
+    tune_lora_kernels_args,
     validate_args,
 )
 
@@ -236,6 +237,41 @@ def _cmd_fetch(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_tune_lora_kernels(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from visionrl.config import load_config
+    from visionrl.errors import InputError, RunError
+
+    cfg = load_config(args.config, args.overrides)
+    config_file = Path(cfg.model.path) / "config.json"
+    if not config_file.is_file():
+        raise InputError(
+            f"model.path {cfg.model.path}: no config.json there; the tuner reads the model's layer sizes from it "
+            "(set model.path to the checkpoint folder the job trains)"
+        )
+    model_config = json.loads(config_file.read_text())
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RunError(
+            "tune-lora-kernels times vLLM's LoRA kernels on a CUDA GPU and sees none here: run it once on a machine "
+            "with the GPU model the job trains on (vLLM reads the files by GPU model)"
+        )
+    from visionrl.rollout.lora_kernels import KernelTimer, report_table, tune_model
+
+    timer, out = KernelTimer(), Path(args.out)
+    text = model_config.get("text_config", model_config)
+    report = tune_model(text, cfg.lora.rank, out, timer, timer.device_name, budget_s=args.budget_s)
+    (out / "tune_report.json").write_text(json.dumps(report, indent=1) + "\n")
+    decode = cfg.rollout.prompts_per_step * cfg.algorithm.group_size
+    print(report_table(report, max((m for m in report["per_decode_step_us"] if int(m) <= decode), key=int)))
+    print(f"\nvLLM's LoRA kernel configs for the {timer.device_name} in {out}; the job uses them with")
+    print(f"  rollout:\n    vllm_env: {{VLLM_TUNED_CONFIG_FOLDER: {out.resolve()}}}")
+    return 0
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from visionrl.serve import sagemaker
 
@@ -342,6 +378,12 @@ COMMANDS: tuple[tuple[str, Handler, str, Callable[[argparse.ArgumentParser], Non
         init_tiny_model_args,
     ),
     ("make-data", _cmd_make_data, "Write a visual task as JSONL + PNG images.", make_data_args),
+    (
+        "tune-lora-kernels",
+        _cmd_tune_lora_kernels,
+        "Tune vLLM's LoRA kernels for a job's model and rank on this GPU (a folder the job's engines read).",
+        tune_lora_kernels_args,
+    ),
 )
 
 

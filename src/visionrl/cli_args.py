@@ -280,6 +280,22 @@ def init_tiny_model_args(sp: argparse.ArgumentParser) -> None:
     )
 
 
+def tune_lora_kernels_args(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("config", help="job file (YAML): its model.path and lora.rank give the kernels' shapes")
+    sp.add_argument("overrides", nargs="*", help="key=value overrides")
+    sp.add_argument(
+        "--out",
+        default="lora-kernel-configs",
+        help="the folder for vLLM's files (on a cluster: a path every node sees, as rollout.vllm_env names it)",
+    )
+    sp.add_argument(
+        "--budget-s",
+        type=float,
+        default=600.0,
+        help="stop searching after this many seconds; shapes not reached keep vLLM's default config",
+    )
+
+
 def make_data_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("dir")
     sp.add_argument(

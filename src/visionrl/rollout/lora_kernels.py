@@ -221,6 +221,68 @@ def write_folder(
     return written
 
 
+def per_forward_us(rows: Iterable[Mapping[str, Any]], layers: int, m: int, key: str) -> float:
+    """The LoRA kernels' microseconds in one forward of `m` tokens over `layers` decoder layers (a shape named
+    "o_proj+down_proj" runs twice a layer); `key` default_us or tuned_us."""
+    return layers * sum(r[key] * len(r["name"].split("+")) for r in rows if r["m"] == m)
+
+
+def tune_model(
+    text_config: Mapping[str, Any],
+    rank: int,
+    folder: Path,
+    timer: Callable[[LoraShape, int], TimeFn],
+    device_name: str,
+    ms: Iterable[int] = DEFAULT_MS,
+    budget_s: float = float("inf"),
+    passes: int = 2,
+) -> dict[str, Any]:
+    """Tunes every LoRA kernel of the language model at `rank` and writes vLLM's files for `device_name` into
+    `folder` (a progress bar on stderr). Returns the report: the rows, the seconds taken and, per token count,
+    the kernels' time in one forward over all layers with vLLM's default and with the tuned configs."""
+    from tqdm import tqdm  # type: ignore[import-untyped]
+
+    shapes, ms = job_shapes(text_config, rank), list(ms)
+    bar = tqdm(total=len(shapes) * len(ms), desc="LoRA kernel shapes tuned", unit="shape")
+    t = time.perf_counter()
+    try:
+        rows = tune(shapes, ms, timer, passes=passes, progress=lambda _row: bar.update(), budget_s=budget_s)
+    finally:
+        bar.close()
+    files = write_folder(rows, folder, device_name)
+    layers = int(text_config["num_hidden_layers"])
+    per_forward = {
+        str(m): {key: per_forward_us(rows, layers, m, f"{key}_us") for key in ("default", "tuned")}
+        for m in ms
+    }
+    return {
+        "device": device_name, "rank": rank, "budget_s": None if budget_s == float("inf") else budget_s,
+        "tune_s": time.perf_counter() - t, "folder_files": [f.name for f in files],
+        "per_decode_step_us": per_forward, "rows": rows,
+    }  # fmt: skip
+
+
+def report_table(report: Mapping[str, Any], m: int) -> str:
+    """The report's rows at `m` tokens as a text table, with the whole forward's LoRA time before and after."""
+    lines = [
+        f"LoRA kernels at {m} tokens ({report['device']}, rank {report['rank']})",
+        f"{'op':<8}{'projections':<20}{'slices':>7}{'k':>7}{'n':>7}{'default us':>12}{'tuned us':>10}{'x':>7}",
+    ]
+    for r in report["rows"]:
+        if r["m"] == m:
+            lines.append(
+                f"{r['op']:<8}{r['name']:<20}{r['slices']:>7}{r['k']:>7}{r['n']:>7}"
+                f"{r['default_us']:>12.1f}{r['tuned_us']:>10.1f}{r['default_us'] / r['tuned_us']:>7.2f}"
+            )
+    step = report["per_decode_step_us"].get(str(m))
+    if step:
+        lines.append(
+            f"all layers, one forward of {m} tokens: {step['default'] / 1000:.2f} ms with vLLM's default configs, "
+            f"{step['tuned'] / 1000:.2f} ms tuned"
+        )
+    return "\n".join(lines)
+
+
 class KernelTimer:
     """Times vLLM's own shrink and expand kernels on the CUDA device with a given config (vLLM's config lookup is
     replaced for the call): bf16 weights of `max_loras` adapters, every token on adapter 0, the metadata vLLM's
