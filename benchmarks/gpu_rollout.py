@@ -125,6 +125,10 @@ def one_variant(args: argparse.Namespace) -> dict[str, Any]:
         tuned = tuned_lora_folder(args, load_config(JOB, over).lora.rank)
         over.append(f"rollout.vllm_env={{VLLM_TUNED_CONFIG_FOLDER: {tuned['folder']}}}")
     cfg = load_config(JOB, over)
+    # rollout.vllm_env reaches a loop's engines through their Ray actors' runtime_env; this engine is built here,
+    # in this process, so the job's settings go into its environment (its engine core inherits it)
+    os.environ.update(cfg.rollout.vllm_env)
+    env = {**VARIANT_ENV.get(args.one, {}), **cfg.rollout.vllm_env}
     lora = cfg.lora.model_copy(update={"rank": 0}) if args.one == "no_lora" else cfg.lora
     items = PromptStream(cfg).next_batch()  # the job's prompts: its system prompt, its image bounds
     t = time.perf_counter()
@@ -146,7 +150,7 @@ def one_variant(args: argparse.Namespace) -> dict[str, Any]:
     generated = sum(len(c.token_ids) for group_out in out for c in group_out)
     return {"variant": args.one, "engine_start_s": start_s, "batch_s": batch_s, "generated_tokens": generated,
             "generated_tokens_per_s": generated / batch_s, "overrides": variant_overrides(args.one),
-            "env": VARIANT_ENV.get(args.one, {}), "env_known_to_vllm": known_env(args.one),
+            "env": env, "env_known_to_vllm": known_env(env), "env_seen_by_vllm": seen_env(env),
             **({"lora_kernels": tuned} if tuned else {})}  # fmt: skip
 
 
@@ -183,12 +187,23 @@ def tuned_lora_folder(args: argparse.Namespace, rank: int) -> dict[str, Any]:
             "per_decode_step_us_512": report["per_decode_step_us"].get("512")}  # fmt: skip
 
 
-def known_env(variant: str) -> dict[str, bool]:
+def known_env(env: dict[str, str]) -> dict[str, bool]:
     """Whether this vLLM reads each of the variant's environment variables (one it does not know changes nothing,
     and the variant then measures the job's engine again)."""
     import vllm.envs
 
-    return {name: hasattr(vllm.envs, name) for name in VARIANT_ENV.get(variant, {})}
+    return {name: hasattr(vllm.envs, name) for name in env}
+
+
+def seen_env(env: dict[str, str]) -> dict[str, bool]:
+    """Whether vLLM, in this process (whose environment its engine core inherits), reads each variable's value."""
+    import vllm.envs
+
+    def seen(name: str, value: str) -> bool:
+        got = getattr(vllm.envs, name, None)
+        return got == (value.lower() in ("1", "true")) if isinstance(got, bool) else str(got) == value
+
+    return {name: seen(name, value) for name, value in env.items()}
 
 
 def main() -> None:
