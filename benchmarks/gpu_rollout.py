@@ -19,6 +19,8 @@ Variants (`--variants`, comma-separated; default all):
               engine's start
   dual_stream vLLM's LoRA on a second CUDA stream beside the base layer's GEMM (VLLM_LORA_ENABLE_DUAL_STREAM=1,
               with programmatic dependent launch on Hopper): what of LoRA's cost overlaps
+  lora_specialize  the LoRA kernels' grid sized by the adapters in use (`specialize_active_lora: true`; by default
+              it is max_loras + 1 = 2 deep and the no-LoRA slot's blocks start only to exit, every LoRA kernel call)
   tuned_lora  vLLM's LoRA kernels tuned for the job's shapes on this card (lora_kernel_tune.py; the folder is kept
               beside the checkpoint and reused by a later call) through rollout.vllm_env's VLLM_TUNED_CONFIG_FOLDER
 
@@ -54,6 +56,7 @@ VARIANTS = [
     "lora_graphs",
     "dual_stream",
     "tuned_lora",
+    "lora_specialize",
 ]
 TUNE_BUDGET_S = 240.0  # tuned_lora's search (the rows it does not reach keep vLLM's default config)
 # Variants that are an environment variable of the engine's process, not a job setting
@@ -69,6 +72,8 @@ def variant_overrides(name: str) -> list[str]:
         return [f"rollout.vllm_engine_args={{max_num_batched_tokens: {int(value)}}}"]
     if kind == "share":
         return [f"rollout.gpu_memory_utilization={float(value)}"]
+    if name == "lora_specialize":
+        return ["rollout.vllm_engine_args={specialize_active_lora: true}"]
     if name == "lora_graphs":
         return ["rollout.vllm_engine_args={compilation_config: {cudagraph_specialize_lora: false}}"]
     if name in ("job", "no_lora", "tuned_lora", *VARIANT_ENV):
