@@ -259,6 +259,13 @@ def _cmd_tune_lora_kernels(args: argparse.Namespace) -> int:
             "tune-lora-kernels times vLLM's LoRA kernels on a CUDA GPU and sees none here: run it once on a machine "
             "with the GPU model the job trains on (vLLM reads the files by GPU model)"
         )
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise RunError(
+            "tune-lora-kernels times vLLM's own LoRA kernels and vLLM is not installed here: "
+            "pip install 'visionrl[gpu]' (the vLLM release the job's engines run)"
+        )
     from visionrl.rollout.lora_kernels import KernelTimer, report_table, tune_model
 
     timer, out = KernelTimer(), Path(args.out)
