@@ -123,20 +123,25 @@ def descend(
     (timed first, so the result is never slower than it). Past `deadline` (time.monotonic()) no new candidate is
     tried: the best so far is returned."""
     seen: dict[tuple[tuple[str, Any], ...], float] = {}
+    errors: list[Exception] = []
 
     def timed(config: Config) -> float:
         key = _key(config)
         if key not in seen:
             try:
                 seen[key] = float(time_fn(config))
-            except Exception:
+            except Exception as err:  # this config does not compile or run here: not a candidate
                 seen[key] = float("inf")
+                errors.append(err)
         return seen[key]
 
     best, best_t = dict(start), timed(start)
     start_t = best_t
     if start_t == float("inf"):
-        raise RuntimeError(f"the starting LoRA kernel config does not run: {start}")
+        raise RuntimeError(
+            f"vLLM's default LoRA kernel config does not run here ({start}): {errors[-1]!r}; if the device "
+            "reported an error, every later kernel fails too: start the tuning again in a fresh process"
+        ) from errors[-1]
     for _ in range(passes):
         moved = False
         for name, values in space.items():
