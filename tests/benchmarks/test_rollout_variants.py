@@ -50,27 +50,30 @@ def test_the_dual_stream_variant_is_the_engines_environment_not_the_job() -> Non
 
 
 def test_a_row_says_whether_this_vllm_reads_the_variants_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The CPU build here (vLLM 0.32) knows the dual-stream variable; a name it lacks is reported as unknown."""
+    """The CPU build here (vLLM 0.32) knows the dual-stream variable; a name it lacks is reported as unknown; and
+    whether vLLM in this process reads each value the variant set (its engine core inherits the environment)."""
     pytest.importorskip("vllm")
     import gpu_rollout
 
-    assert gpu_rollout.known_env("dual_stream") == {"VLLM_LORA_ENABLE_DUAL_STREAM": True}
-    assert gpu_rollout.known_env("job") == {}
-    monkeypatch.setitem(gpu_rollout.VARIANT_ENV, "job", {"VLLM_NOT_A_SETTING": "1"})
-    assert gpu_rollout.known_env("job") == {"VLLM_NOT_A_SETTING": False}
+    assert gpu_rollout.known_env(VARIANT_ENV["dual_stream"]) == {"VLLM_LORA_ENABLE_DUAL_STREAM": True}
+    assert gpu_rollout.known_env({}) == {}
+    assert gpu_rollout.known_env({"VLLM_NOT_A_SETTING": "1"}) == {"VLLM_NOT_A_SETTING": False}
+    folder = {"VLLM_TUNED_CONFIG_FOLDER": "/kernels"}
+    assert gpu_rollout.seen_env(folder) == {"VLLM_TUNED_CONFIG_FOLDER": False}  # not in this environment
+    monkeypatch.setenv("VLLM_TUNED_CONFIG_FOLDER", "/kernels")
+    monkeypatch.setenv("VLLM_LORA_ENABLE_DUAL_STREAM", "1")
+    assert gpu_rollout.seen_env({**folder, **VARIANT_ENV["dual_stream"]}) == {
+        "VLLM_TUNED_CONFIG_FOLDER": True,
+        "VLLM_LORA_ENABLE_DUAL_STREAM": True,  # a flag: vLLM reads "1" as True
+    }
 
 
-def test_the_results_so_far_are_each_against_the_jobs_engine() -> None:
-    """After each variant the file is written again: 14,000 against the job's 15,000 is 0.9333; a failed variant
-    and one measured before the job's engine carry no ratio until the job's row is in."""
-    import argparse
+def test_the_lora_variants_are_settings_of_the_job() -> None:
+    from visionrl.config import load_config
 
-    import gpu_rollout
-
-    args = argparse.Namespace(size="64x8x512", overrides=["rollout.gpu_memory_utilization=0.9"])
-    dual = {"variant": "dual_stream", "generated_tokens_per_s": 14000.0}
-    first = gpu_rollout.report_of([dual], args)
-    assert "vs_job" not in first["results"][0] and first["setup"]["overrides"] == args.overrides
-    rows = [dual, {"variant": "job", "generated_tokens_per_s": 15000.0}, {"variant": "x", "status": "failed"}]
-    got = gpu_rollout.report_of(rows, args)["results"]
-    assert [r.get("vs_job") for r in got] == [pytest.approx(14000 / 15000), 1.0, None]
+    assert (
+        variant_overrides("tuned_lora") == []
+    )  # its folder is set where it is tuned, in the variant's process
+    job = Path(__file__).resolve().parents[2] / "configs" / "qwen3vl_8b_grpo_lora.yaml"
+    cfg = load_config(job, variant_overrides("lora_specialize"))
+    assert cfg.rollout.vllm_engine_args == {"specialize_active_lora": True}
