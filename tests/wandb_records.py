@@ -60,5 +60,23 @@ def history(run_dir: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def written_history(run_dir: Path, timeout_s: float = 30.0) -> list[dict[str, Any]]:
+    """`history(run_dir)` once every offline run file there holds its exit record: `run.finish()` hands the end to
+    W&B's own service process, which writes the run's last records to the file a moment later."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        files = list(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
+        ended = [any(r.WhichOneof("record_type") == "exit" for r in records(f)) for f in files]
+        if files and all(ended):
+            return history(run_dir)
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"W&B's offline run files under {run_dir} hold no exit record after {timeout_s} s"
+            )
+        time.sleep(0.2)
+
+
 def run_ids(run_dir: Path) -> set[str]:
     return {p.stem.removeprefix("run-") for p in run_dir.glob("wandb/offline-run-*/run-*.wandb")}

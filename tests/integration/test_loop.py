@@ -176,7 +176,7 @@ def test_two_steps_through_ray_write_the_tensorboard_tags_and_resume(
 def _the_same_in_mlflow_and_wandb(run: Path, scalars: dict[str, list], steps: list[int]) -> None:
     """MLflow's run and W&B's offline run hold TensorBoard's scalar tags at the same steps, and the pictures."""
     from mlflow import MlflowClient
-    from tests.wandb_records import history, run_ids
+    from tests.wandb_records import run_ids, written_history
 
     ids = json.loads((run / "trackers.json").read_text())
     client = MlflowClient(tracking_uri=f"sqlite:///{(run / 'mlflow' / 'mlflow.db').resolve()}")
@@ -185,7 +185,7 @@ def _the_same_in_mlflow_and_wandb(run: Path, scalars: dict[str, list], steps: li
     assert set(scalars) <= set(mlflow_run.data.metrics)
     assert [m.step for m in client.get_metric_history(mlflow_run.info.run_id, "reward/mean")] == steps
     assert client.list_artifacts(mlflow_run.info.run_id, "images")
-    rows = history(run)
+    rows = written_history(run)
     assert set(scalars) <= {key for row in rows for key in row}
     assert [r["step"] for r in rows if "reward/mean" in r] == steps
     assert [r["reward/mean"] for r in rows if "reward/mean" in r] == pytest.approx(
