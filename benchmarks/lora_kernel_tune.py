@@ -35,10 +35,9 @@ QWEN3_VL_8B_TEXT = {  # Qwen3-VL-8B's language model (its config.json's text_con
 
 
 def text_config(model_dir: Path | None) -> dict[str, Any]:
-    if model_dir is None:
-        return dict(QWEN3_VL_8B_TEXT)
-    cfg = json.loads((model_dir / "config.json").read_text())
-    return cfg.get("text_config", cfg)
+    from visionrl.rollout.lora_kernels import language_model_config
+
+    return dict(QWEN3_VL_8B_TEXT) if model_dir is None else language_model_config(model_dir)
 
 
 def cost_model(shape: Any, m: int) -> Any:

@@ -162,3 +162,12 @@ def test_the_command_says_what_it_needs_when_the_job_or_the_machine_lacks_it(tmp
     assert main(["tune-lora-kernels", job, f"model.path={tmp_path}", "--out", str(tmp_path / "k")]) == 1
     assert "CUDA GPU" in capsys.readouterr().err
     assert not (tmp_path / "k").exists()
+
+
+def test_the_language_models_config_is_read_from_a_vlm_or_a_text_checkpoint(tmp_path) -> None:
+    from visionrl.rollout.lora_kernels import language_model_config
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_vl", "text_config": QWEN3_VL_8B}))
+    assert language_model_config(tmp_path) == QWEN3_VL_8B
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_VL_8B))
+    assert language_model_config(tmp_path) == QWEN3_VL_8B

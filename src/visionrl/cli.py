@@ -251,7 +251,6 @@ def _cmd_tune_lora_kernels(args: argparse.Namespace) -> int:
             f"model.path {cfg.model.path}: no config.json there; the tuner reads the model's layer sizes from it "
             "(set model.path to the checkpoint folder the job trains)"
         )
-    model_config = json.loads(config_file.read_text())
     import torch
 
     if not torch.cuda.is_available():
@@ -266,10 +265,10 @@ def _cmd_tune_lora_kernels(args: argparse.Namespace) -> int:
             "tune-lora-kernels times vLLM's own LoRA kernels and vLLM is not installed here: "
             "pip install 'visionrl[gpu]' (the vLLM release the job's engines run)"
         )
-    from visionrl.rollout.lora_kernels import KernelTimer, report_table, tune_model
+    from visionrl.rollout.lora_kernels import KernelTimer, language_model_config, report_table, tune_model
 
     timer, out = KernelTimer(), Path(args.out)
-    text = model_config.get("text_config", model_config)
+    text = language_model_config(Path(cfg.model.path))
     report = tune_model(text, cfg.lora.rank, out, timer, timer.device_name, budget_s=args.budget_s)
     (out / "tune_report.json").write_text(json.dumps(report, indent=1) + "\n")
     decode = cfg.rollout.prompts_per_step * cfg.algorithm.group_size

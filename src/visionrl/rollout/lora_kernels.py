@@ -45,11 +45,8 @@ SEARCH_SPACE: dict[str, dict[str, tuple[int, ...]]] = {
         "num_stages": (2, 3, 4),
     },
 }
-SLICE_COUNTS = (
-    1,
-    2,
-    3,
-)  # a linear, gate_up (2), qkv (3): vLLM indexes the file by the slice count, never nearest
+# a linear, gate_up (2), qkv (3): vLLM indexes the file by the slice count, never nearest
+SLICE_COUNTS = (1, 2, 3)
 
 
 @dataclass(frozen=True)
@@ -63,6 +60,12 @@ class LoraShape:
     n: int
     outs: tuple[int, ...]
     name: str
+
+
+def language_model_config(model_dir: Path) -> dict[str, Any]:
+    """The language model's part of a checkpoint's config.json (a VLM's `text_config`, else the whole file)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return dict(config.get("text_config", config))
 
 
 def job_shapes(text_config: Mapping[str, Any], rank: int) -> list[LoraShape]:
