@@ -21,6 +21,8 @@ Variants (`--variants`, comma-separated; default all):
               with programmatic dependent launch on Hopper): what of LoRA's cost overlaps
   lora_specialize  the LoRA kernels' grid sized by the adapters in use (`specialize_active_lora: true`; by default
               it is max_loras + 1 = 2 deep and the no-LoRA slot's blocks start only to exit, every LoRA kernel call)
+  merged      the adapter merged into the engine's base weights, no LoRA kernels (rollout.lora_serving: merged);
+              its row also gives the adapter load's seconds (the merge) against the job's
   tuned_lora  vLLM's LoRA kernels tuned for the job's shapes on this card (lora_kernel_tune.py; the folder is kept
               beside the checkpoint and reused by a later call) through rollout.vllm_env's VLLM_TUNED_CONFIG_FOLDER
 
@@ -33,6 +35,7 @@ On the CPU (the script's path, the CPU build and the tiny model; measures nothin
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -57,6 +60,7 @@ VARIANTS = [
     "dual_stream",
     "tuned_lora",
     "lora_specialize",
+    "merged",
 ]
 TUNE_BUDGET_S = 240.0  # tuned_lora's search (the rows it does not reach keep vLLM's default config)
 # Variants that are an environment variable of the engine's process, not a job setting
@@ -76,6 +80,8 @@ def variant_overrides(name: str) -> list[str]:
         return ["rollout.vllm_engine_args={specialize_active_lora: true}"]
     if name == "lora_graphs":
         return ["rollout.vllm_engine_args={compilation_config: {cudagraph_specialize_lora: false}}"]
+    if name == "merged":
+        return ["rollout.lora_serving=merged"]
     if name in ("job", "no_lora", "tuned_lora", *VARIANT_ENV):
         return []
     raise SystemExit(f"unknown variant {name!r}: job, no_lora, seqs_N, tokens_N or share_X")
@@ -141,9 +147,16 @@ def one_variant(args: argparse.Namespace) -> dict[str, Any]:
                          forbidden_token_ids=checkpoint_vision_token_ids(cfg.model.path), dtype=cfg.model.dtype,
                          seed=0, budget=engine_budget(cfg))  # fmt: skip
     start_s = time.perf_counter() - t
+    load: dict[str, Any] = {}
     try:
-        if lora.rank:
-            engine.load_adapter(random_adapter(args.model, cfg))
+        if lora.rank:  # two versions: the second load is a step's (the first one also reads what it keeps)
+            payload = random_adapter(args.model, cfg)
+            t = time.perf_counter()
+            engine.load_adapter(payload)
+            first_s, t = time.perf_counter() - t, time.perf_counter()
+            engine.load_adapter(dataclasses.replace(payload, version=2))
+            load = {"adapter_load_s": time.perf_counter() - t, "first_adapter_load_s": first_s,
+                    "load_parts_s": getattr(engine, "load_parts", {})}  # fmt: skip
         r = cfg.rollout
         spec = SamplingSpec(n=group, temperature=r.temperature, top_p=r.top_p, max_tokens=tokens, seed=0)
         engine.generate(items[:4], SamplingSpec(n=2, max_tokens=16, temperature=1.0, seed=1))  # warm-up
@@ -155,7 +168,7 @@ def one_variant(args: argparse.Namespace) -> dict[str, Any]:
     generated = sum(len(c.token_ids) for group_out in out for c in group_out)
     return {"variant": args.one, "engine_start_s": start_s, "batch_s": batch_s, "generated_tokens": generated,
             "generated_tokens_per_s": generated / batch_s, "overrides": variant_overrides(args.one),
-            "env": env, "env_known_to_vllm": known_env(env), "env_seen_by_vllm": seen_env(env),
+            "env": env, "env_known_to_vllm": known_env(env), "env_seen_by_vllm": seen_env(env), **load,
             **({"lora_kernels": tuned} if tuned else {})}  # fmt: skip
 
 

@@ -33,6 +33,8 @@ def test_the_overrides_load_into_the_production_job() -> None:
     job = Path(__file__).resolve().parents[2] / "configs" / "qwen3vl_8b_grpo_lora.yaml"
     cfg = load_config(job, variant_overrides("seqs_512") + variant_overrides("share_0.5"))
     assert cfg.rollout.vllm_engine_args == {"max_num_seqs": 512} and cfg.rollout.gpu_memory_utilization == 0.5
+    assert load_config(job).rollout.lora_serving == "adapter"  # the job as shipped; merged is the variant
+    assert load_config(job, variant_overrides("merged")).rollout.lora_serving == "merged"
 
 
 def test_the_lora_graphs_variant_reaches_the_engine_as_vllm_reads_it() -> None:

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from visionrl.rollout.vllm_adapters import VLLMAdapters
 from visionrl.rollout.vllm_engine import VLLMEngine
 
 
@@ -34,7 +35,9 @@ def _engine(sleep_mode: bool, lora: Any, monkeypatch: pytest.MonkeyPatch) -> VLL
     monkeypatch.setattr(vllm, "LLM", _RecordingLLM)
     _RecordingLLM.calls = []
     engine = VLLMEngine.__new__(VLLMEngine)  # the build alone: no model, no scratch folder
-    engine._llm_kwargs, engine._sleep_mode, engine._lora = {}, sleep_mode, lora
+    engine._llm_kwargs, engine._sleep_mode = {}, sleep_mode
+    engine._adapters = VLLMAdapters.__new__(VLLMAdapters)
+    engine._adapters.served, engine._adapters.merged = lora, False
     return engine
 
 

@@ -46,6 +46,7 @@ def make_engine(
             budget=budget,
             sleep_mode=rollout.sleep_during_update,
             engine_args=rollout.vllm_engine_args,
+            lora_serving=rollout.lora_serving,
         )
     if rollout.engine == "hf":
         from visionrl.rollout.hf_engine import HFEngine

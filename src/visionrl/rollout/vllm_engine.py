@@ -14,27 +14,22 @@ vision tokens biased away), the same distribution the learner computes.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import logging
 import math
 import os
-import shutil
 import time
-from collections.abc import Iterator
 from typing import Any
 
 from visionrl import faults
 from visionrl.adapter.servable import vllm_max_lora_rank
 from visionrl.data.images import ImageBudget
-from visionrl.rollout.probe import PROBE_TOKENS, as_a_faulty_engine_applies, probe_result
+from visionrl.rollout.probe import PROBE_TOKENS, probe_result
 from visionrl.rollout.rejects import generate_skipping, vllm_rejections
-from visionrl.rollout.scratch import make_scratch_dir, remove_orphaned_scratch
+from visionrl.rollout.vllm_adapters import SERVINGS, VLLMAdapters, timed
 from visionrl.rollout.vllm_platform import cpu_only, set_cpu_env
 from visionrl.rollout.vllm_stepping import VLLMStepper
 from visionrl.types import (
-    ADAPTER_CONFIG,
-    ADAPTER_WEIGHTS,
     AdapterPayload,
     Completion,
     JudgeAsk,
@@ -44,16 +39,6 @@ from visionrl.types import (
 )
 
 logger = logging.getLogger(__name__)
-
-
-@contextlib.contextmanager
-def timed(parts: dict[str, float], name: str) -> Iterator[None]:
-    """Add the seconds the block takes to `parts[name]` (the adapter sync's profile)."""
-    t = time.perf_counter()
-    try:
-        yield
-    finally:
-        parts[name] = parts.get(name, 0.0) + time.perf_counter() - t
 
 
 FORBIDDEN_BIAS = -100.0  # vLLM adds logit_bias; -100 makes a token's probability ~e^-100
@@ -87,7 +72,11 @@ class VLLMEngine:
         budget: ImageBudget | None = None,
         sleep_mode: bool = False,
         engine_args: dict[str, Any] | None = None,
+        lora_serving: str = "adapter",
     ) -> None:
+        if lora_serving not in SERVINGS:
+            raise ValueError(f"lora_serving={lora_serving!r}: use one of {', '.join(SERVINGS)}")
+        merged = lora_serving == "merged"
         budget = budget or ImageBudget()
         self._llm_kwargs: dict[str, Any] = {
             "model": model_path,
@@ -101,11 +90,12 @@ class VLLMEngine:
             "enforce_eager": enforce_eager,
             "worker_extension_cls": "visionrl.rollout.vllm_worker.VisionRLWorkerExtension",
         }
-        if lora_rank > 0:  # rank 0: a judge model's own engine, which serves no adapter
+        # rank 0: a judge model's own engine, which serves no adapter; merged: the adapter goes into the weights
+        if lora_rank > 0 and not merged:
             self._llm_kwargs.update(
                 enable_lora=True, max_lora_rank=vllm_max_lora_rank(lora_rank), max_loras=1
             )
-        if tower_lora and lora_rank > 0:
+        if tower_lora and lora_rank > 0 and not merged:
             self._llm_kwargs["enable_tower_connector_lora"] = True
         self._cpu = cpu_only()
         if self._cpu:
@@ -122,14 +112,8 @@ class VLLMEngine:
         _quiet_vllm()
         self.forbidden = list(forbidden_token_ids)
         # Adapter versions go through memory-backed files where the OS has them: vLLM loads LoRA from a path.
-        remove_orphaned_scratch()
-        self._dir = make_scratch_dir()
+        self._adapters = VLLMAdapters(lambda: self._llm, model_path, merged)
         self._version = 0
-        self._next_id = 0  # LoRA ids handed out so far: each adapter version and probe gets a new one
-        self._lora: Any = None  # LoRARequest of the version served
-        self._zero: AdapterPayload | None = (
-            None  # the served adapter's layout with B = 0: the base model, judging
-        )
         self._rebuilds = 0
         self._sampling_calls, self._fail_next = 0, False  # for the fault injection (fail_engine_batch)
         self._llm: Any = self._build()
@@ -148,8 +132,7 @@ class VLLMEngine:
             logger.info(
                 "vLLM's sleep mode warmed up (a sleep and a wake-up): %.1f s", time.perf_counter() - t
             )
-        if self._lora is not None:
-            llm.llm_engine.add_lora(self._lora)
+        self._adapters.restore(llm)
         return llm
 
     # ------------------------------------------------------------------ protocol
@@ -160,17 +143,17 @@ class VLLMEngine:
         self._exclusive("loading an adapter")
         self.wake_up()
         self.load_parts: dict[str, float] = {}  # the sync's profile (timing/sync_<part>_s), seconds
-        if self._lora is not None and payload.version == self._version:
+        if self._adapters.served is not None and payload.version == self._version:
             return self._version  # already served (a LoRA id must never be reused for other weights)
         if payload.version > 1 and faults.active("drop_adapter_syncs"):
             self._version = payload.version  # acknowledged, not loaded: what the per-step check must catch
             return self._version
         parts = self.load_parts
-        new = self._add(payload, f"visionrl-v{payload.version}", parts)
-        old = self._lora
-        self._lora, self._version = new, payload.version
+        new = self._adapters.add(payload, f"visionrl-v{payload.version}", parts)
+        old = self._adapters.served
+        self._adapters.served, self._version = new, payload.version
         with timed(parts, "remove"):  # the version before, out of vLLM and its files
-            self._remove(old)
+            self._adapters.remove(old)
         with timed(parts, "reset"):
             self._reset_caches()
         return self._version
@@ -181,11 +164,11 @@ class VLLMEngine:
         requests without one can still see its weights (vLLM 0.32 CPU, tower-connector LoRA)."""
         spec = SamplingSpec(n=1, greedy=True, max_tokens=PROBE_TOKENS)
         before = self.generate(prompts, spec)
-        req = self._add(payload, "visionrl-probe")
+        req = self._adapters.add(payload, "visionrl-probe")
         try:
             after = self._generate(prompts, spec, req)
         finally:
-            self._remove(req)
+            self._adapters.remove(req)
             self._reset_caches()
         return probe_result(before, after, payload.version)
 
@@ -215,7 +198,7 @@ class VLLMEngine:
         forced = PromptItem(text=prompt.text, images=prompt.images, token_ids=[*ids, *continuation])
         params = SamplingParams(n=1, temperature=0.0, max_tokens=1, prompt_logprobs=0)
         try:
-            out = self._run(self.inputs([forced]), params, self._lora)[0]
+            out = self._run(self.inputs([forced]), params, self._adapters.served)[0]
         except vllm_rejections() as err:
             logger.warning("vLLM rejected the fingerprint prompt: %s", err)
             return None
@@ -253,64 +236,22 @@ class VLLMEngine:
         def skip(index: int, err: BaseException) -> None:
             logger.warning("vLLM rejected judge prompt %d; skipping it: %s", index, err)
 
-        base = self._add(self._zero_adapter(), "visionrl-base") if self._lora is not None else None
+        served = self._adapters.served
+        base = (
+            self._adapters.add(self._adapters.zero_adapter(), "visionrl-base") if served is not None else None
+        )
         self._reset_caches()
         try:
             outputs = generate_skipping(
                 lambda batch: self._run(batch, params, base), self.inputs(prompts), vllm_rejections(), skip
             )
         finally:
-            self._remove(base)
+            self._adapters.remove(base)
             self._reset_caches()
         return [None if out is None else _verdict(out.outputs[0], ask) for out in outputs]
 
-    def _zero_adapter(self) -> AdapterPayload:
-        """The served adapter's files with every B zeroed (made once: the layout never changes in a run)."""
-        if self._zero is None:
-            import torch
-            from safetensors.torch import load_file, save
-
-            path = self._lora.lora_path
-            tensors = load_file(os.path.join(path, ADAPTER_WEIGHTS))
-            zeroed = {k: torch.zeros_like(v) if "lora_B" in k else v for k, v in tensors.items()}
-            with open(os.path.join(path, ADAPTER_CONFIG), "rb") as f:
-                config = f.read()
-            self._zero = AdapterPayload(-1, {ADAPTER_CONFIG: config, ADAPTER_WEIGHTS: save(zeroed)})
-        return self._zero
-
     def rebuilds(self) -> int:
         return self._rebuilds
-
-    def _add(self, payload: AdapterPayload, name: str, parts: dict[str, float] | None = None) -> Any:
-        """Write the adapter's files and add it under a LoRA id never used before (a reused id or name serves
-        stale image embeddings: docs/ENGINE_NOTES.md); raises if vLLM does not list it afterwards."""
-        from vllm.lora.request import LoRARequest
-
-        parts = {} if parts is None else parts
-        self._next_id += 1
-        path = self._dir / f"{name}-{self._next_id}"
-        path.mkdir(parents=True, exist_ok=True)
-        with timed(parts, "write"):  # the files vLLM loads from, in the scratch folder (/dev/shm)
-            for file, data in as_a_faulty_engine_applies(payload).files.items():
-                (path / file).write_bytes(data)
-        req = LoRARequest(f"{name}-{self._next_id}", self._next_id, str(path))
-        engine = self._llm.llm_engine
-        if faults.active("ignore_adapters"):
-            return None  # generate() then runs the base model: the adapter never reaches the engine
-        # vLLM's engine core reads the files and places the weights in its LoRA slots
-        with timed(parts, "add"):
-            added = engine.add_lora(req) and req.lora_int_id in engine.list_loras()
-        if not added:
-            raise RuntimeError(
-                f"vLLM did not take adapter {name} (LoRA id {req.lora_int_id}): add_lora failed or the id is "
-                "not listed; check the engine log for LoRA errors (rank over max_lora_rank, unknown targets)"
-            )
-        return req
-
-    def _remove(self, req: Any) -> None:
-        if req is not None:
-            self._llm.llm_engine.remove_lora(req.lora_int_id)
-            shutil.rmtree(req.lora_path, ignore_errors=True)
 
     def _reset_caches(self) -> None:
         # After any adapter change: a cached image embedding or prefix of the old weights must not be reused.
@@ -335,7 +276,7 @@ class VLLMEngine:
         self.wake_up()  # a caller that forgot to wake the engine gets a working one, not an error
         self._sampling_calls += not spec.greedy
         self._fail_next = self._sampling_calls == faults.AT_CALL and faults.active("fail_engine_batch")
-        return self._generate(prompts, spec, self._lora)
+        return self._generate(prompts, spec, self._adapters.served)
 
     def _generate(self, prompts: list[PromptItem], spec: SamplingSpec, lora: Any) -> list[list[Completion]]:
         if spec.seed is not None:
@@ -392,16 +333,18 @@ class VLLMEngine:
             if self._fail_next:
                 self._fail_next = False
                 raise RuntimeError("injected fault fail_engine_batch: the engine core failed in this batch")
-            return list(self._llm.generate(inputs, params, lora_request=lora, use_tqdm=False))
+            request = self._adapters.request(lora)
+            return list(self._llm.generate(inputs, params, lora_request=request, use_tqdm=False))
         except (RuntimeError, AssertionError) as err:
-            if lora is not self._lora:
+            if lora is not self._adapters.served:
                 raise  # a probe: the rebuilt engine would not hold its adapter
             # An in-process engine is unusable after an internal error (docs/ENGINE_NOTES.md): rebuild, retry once.
             # The old engine is shut down first: two at once would need twice its memory. The loop probes a
             # rebuilt engine again before its next rollout (`rebuilds`).
             logger.warning("vLLM engine failed (%s); rebuilding it and retrying the batch once", err)
             self.rebuild()
-            return list(self._llm.generate(inputs, params, lora_request=self._lora, use_tqdm=False))
+            request = self._adapters.request(self._adapters.served)
+            return list(self._llm.generate(inputs, params, lora_request=request, use_tqdm=False))
 
     def rebuild(self) -> None:
         """A new engine in place of one broken by an internal error; the old one shut down first (two at once
@@ -443,7 +386,7 @@ class VLLMEngine:
     def close(self) -> None:
         if self._stepper is not None:
             self._stepper.close()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        self._adapters.close()
         self._llm = None
 
     # ------------------------------------------------------------------ stepping (continuous episodes)
@@ -469,7 +412,8 @@ class VLLMEngine:
         return self._stepper is not None and self._stepper.busy()
 
     def served_lora(self) -> Any:
-        return self._lora
+        """What a request names to get the version served (None when it is merged into the weights)."""
+        return self._adapters.request(self._adapters.served)
 
     def llm_engine(self) -> Any:
         return self._llm.llm_engine
