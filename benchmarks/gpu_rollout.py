@@ -163,13 +163,33 @@ def one_variant(args: argparse.Namespace) -> dict[str, Any]:
         t = time.perf_counter()
         out = engine.generate(items, spec)
         batch_s = time.perf_counter() - t
+        # what the engine serves, to compare across variants (the same adapter: merged serving against the job's)
+        greedy = [{"tokens": g[0].token_ids, "logprobs": g[0].logprobs} for g in
+                  engine.generate(items[:4], SamplingSpec(n=1, greedy=True, max_tokens=32)) if g]  # fmt: skip
     finally:
         engine.close()
     generated = sum(len(c.token_ids) for group_out in out for c in group_out)
     return {"variant": args.one, "engine_start_s": start_s, "batch_s": batch_s, "generated_tokens": generated,
             "generated_tokens_per_s": generated / batch_s, "overrides": variant_overrides(args.one),
             "env": env, "env_known_to_vllm": known_env(env), "env_seen_by_vllm": seen_env(env), **load,
-            **({"lora_kernels": tuned} if tuned else {})}  # fmt: skip
+            "greedy": greedy, **({"lora_kernels": tuned} if tuned else {})}  # fmt: skip
+
+
+def greedy_agreement(row: dict[str, Any], job: dict[str, Any]) -> dict[str, float]:
+    """How far a variant's greedy completions are from the job's on the same prompts and adapter: the share of
+    tokens before the first divergence, and the mean |log-prob difference| over those tokens."""
+    same, total, diffs = 0, 0, []
+    for a, b in zip(row.get("greedy", []), job.get("greedy", []), strict=False):
+        total += len(b["tokens"])
+        for ta, tb, la, lb in zip(a["tokens"], b["tokens"], a["logprobs"], b["logprobs"], strict=False):
+            if ta != tb:
+                break
+            same += 1
+            diffs.append(abs(la - lb))
+    return {
+        "same_prefix_share": same / max(total, 1),
+        "mean_abs_logprob_diff": sum(diffs) / max(len(diffs), 1),
+    }
 
 
 def tuned_lora_folder(args: argparse.Namespace, rank: int) -> dict[str, Any]:
@@ -284,6 +304,8 @@ def report_of(rows: list[dict[str, Any]], args: argparse.Namespace) -> dict[str,
     for r in rows:
         if job and "generated_tokens_per_s" in r:
             r["vs_job"] = r["generated_tokens_per_s"] / job["generated_tokens_per_s"]
+            if r is not job and r["variant"] != "no_lora":
+                r["greedy_vs_job"] = greedy_agreement(r, job)
     return {
         "benchmark": "gpu_rollout",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
