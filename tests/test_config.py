@@ -617,6 +617,18 @@ def test_async_rollouts_key_and_its_check() -> None:
     assert "set rollout.sleep_during_update=false" in str(err.value)
 
 
+def test_lora_serving_key_and_its_check() -> None:
+    assert config_from_dict(MINIMAL).rollout.lora_serving == "adapter"
+    assert (
+        config_from_dict(apply_overrides(MINIMAL, ["rollout.lora_serving=merged"])).rollout.lora_serving
+        == "merged"
+    )
+    assert "rollout.lora_serving" in config_error(MINIMAL, ["rollout.lora_serving=fused"])
+    # the HF engine applies the adapter with peft: merged serving there would be silently ignored
+    msg = config_error(MINIMAL, ["rollout.lora_serving=merged", "rollout.engine=hf"])
+    assert "rollout.engine=hf applies it with peft" in msg and "rollout.lora_serving=adapter" in msg
+
+
 def test_stale_batches_without_an_old_policy_that_sampled_them_are_refused() -> None:
     stale = ["rollout.async_steps=1", "algorithm.old_logprobs=learner"]
     # the clip centred on the current policy and no weight for the gap: refused, naming the three ways out

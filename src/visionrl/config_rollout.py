@@ -136,3 +136,12 @@ class RolloutConfig(Section):
                 "rollout.async_steps=0"
             )
         return self
+
+    @model_validator(mode="after")
+    def validate_merged_on_vllm(self) -> RolloutConfig:
+        if self.lora_serving == "merged" and self.engine != "vllm":
+            raise ValueError(
+                f"rollout.lora_serving=merged is how vLLM engines serve the adapter; rollout.engine={self.engine} "
+                "applies it with peft: set rollout.engine=vllm, or rollout.lora_serving=adapter"
+            )
+        return self

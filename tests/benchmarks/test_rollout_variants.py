@@ -84,7 +84,11 @@ def test_the_lora_variants_are_settings_of_the_job() -> None:
 def test_greedy_agreement_counts_tokens_up_to_the_first_divergence() -> None:
     from gpu_rollout import greedy_agreement
 
-    job = {"greedy": [{"tokens": [1, 2, 4], "logprobs": [-1.5, -2.0, -3.0]}, {"tokens": [7], "logprobs": [-1.0]}]}
-    row = {"greedy": [{"tokens": [1, 2, 3], "logprobs": [-1.0, -2.0, -3.0]}, {"tokens": [7], "logprobs": [-1.0]}]}
+    job = {
+        "greedy": [{"tokens": [1, 2, 4], "logprobs": [-1.5, -2.0, -3.0]}, {"tokens": [7], "logprobs": [-1.0]}]
+    }
+    row = {
+        "greedy": [{"tokens": [1, 2, 3], "logprobs": [-1.0, -2.0, -3.0]}, {"tokens": [7], "logprobs": [-1.0]}]
+    }
     # 3 of the job's 4 tokens come before a divergence; their |differences| are 0.5, 0 and 0
     assert greedy_agreement(row, job) == {"same_prefix_share": 0.75, "mean_abs_logprob_diff": 0.5 / 3}

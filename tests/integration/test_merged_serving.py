@@ -1,9 +1,11 @@
 """`rollout.lora_serving: merged` on vLLM's CPU build: an engine without LoRA, each adapter version merged into its
 base weights, serves what the LoRA engine serves (the same greedy tokens, log-probs within float32 noise); a probe
-or the judge's base model is merged in and the served version merged back; a rebuilt engine gets it again."""
+or the judge's base model is merged in and the served version merged back; an adapter a merge cannot reproduce is refused and the version before stays served;
+a rebuilt engine gets the served version again."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +15,8 @@ from tests.integration.test_tiny_model import IMAGE_COLORS, adapter_payload, per
 
 from visionrl.config import LoraConfig
 from visionrl.models.loader import apply_lora, load_base_model, load_processor, vision_token_ids
-from visionrl.types import JudgeAsk, PromptItem, SamplingSpec
+from visionrl.rollout.lora_merge import MergeError
+from visionrl.types import ADAPTER_CONFIG, AdapterPayload, JudgeAsk, PromptItem, SamplingSpec
 
 SPEC = SamplingSpec(n=1, greedy=True, max_tokens=8)
 
@@ -70,6 +73,13 @@ def test_merged_serving_serves_what_the_lora_engine_serves(tiny_model: Path, tmp
         assert tokens(merged.generate(prompts, SPEC)) == tokens(expected)
         # the judge answers as the base model; afterwards v1 is served again
         assert merged.judge(prompts, JudgeAsk(max_tokens=8)) == [g[0].text for g in base]
+        assert tokens(merged.generate(prompts, SPEC)) == tokens(expected)
+        # an adapter a merge cannot reproduce is refused with the setting to use, and v1 stays served
+        config = json.loads(payloads[1].files[ADAPTER_CONFIG]) | {"rank_pattern": {"q_proj": 4}}
+        bad = AdapterPayload(3, {**payloads[1].files, ADAPTER_CONFIG: json.dumps(config).encode()})
+        with pytest.raises(MergeError, match=r"rank_pattern.*rollout\.lora_serving: adapter"):
+            merged.load_adapter(bad)
+        assert merged.adapter_version() == 1 and len(list(merged._adapters.dir.iterdir())) == 1
         assert tokens(merged.generate(prompts, SPEC)) == tokens(expected)
         # a rebuilt engine loads the checkpoint again and gets v1 merged back in
         merged.rebuild()

@@ -134,13 +134,7 @@ class MergedWeights:
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """(checkpoint name, tensor) for every tensor of each fused layer that `adapter` adapts or an earlier merge
         changed: W0 + delta where adapted, W0 elsewhere, in `dtype` on `device`; layer by layer."""
-        missing = sorted(m for m in adapter if f"{m}.weight" not in self._keys)
-        if missing:
-            raise MergeError(
-                f"the adapter adapts {missing[:3]}, whose weights the checkpoint in {self.model_path} does not "
-                "hold under those names (tied or renamed weights); serve it as an adapter "
-                "(rollout.lora_serving: adapter)"
-            )
+        self.check(adapter)
         groups = fused_modules(self._touched | set(adapter), self.packed)
         self._touched |= set(adapter)
         for group in groups:
@@ -153,15 +147,36 @@ class MergedWeights:
                     if suffix == "weight" and module in adapter:
                         # into the delta's fresh tensor: `base.to` may return the kept W0 itself
                         merged = adapter[module].full(device)
-                        if merged.shape != base.shape:
-                            raise MergeError(
-                                f"the adapter's update of {module} is {list(merged.shape)}, the checkpoint's "
-                                f"weight {list(base.shape)}: the adapter was trained on another model"
-                            )
                         merged += base.to(device=device, dtype=torch.float32, non_blocking=True)
                         yield name, merged.to(dtype)
                     else:
                         yield name, base.to(device=device, dtype=dtype, non_blocking=True)
+
+    def check(self, adapter: Mapping[str, Delta]) -> None:
+        """Raise MergeError unless every module `adapter` adapts has a checkpoint weight of its update's shape."""
+        missing = sorted(m for m in adapter if f"{m}.weight" not in self._keys)
+        if missing:
+            raise MergeError(
+                f"the adapter adapts {missing[:3]}, whose weights the checkpoint in {self.model_path} does not "
+                "hold under those names (tied or renamed weights); serve it as an adapter "
+                "(rollout.lora_serving: adapter)"
+            )
+        for module, delta in adapter.items():
+            shape = [delta.b.shape[0], delta.a.shape[1]]
+            base = self._base_shape(f"{module}.weight")
+            if shape != base:
+                raise MergeError(
+                    f"the adapter's update of {module} is {shape}, the checkpoint's weight {base}: the adapter "
+                    "was trained on another model"
+                )
+
+    def _base_shape(self, name: str) -> list[int]:
+        from safetensors import safe_open
+
+        if name in self._base:
+            return list(self._base[name].shape)
+        with safe_open(self._keys[name], framework="pt") as f:
+            return list(f.get_slice(name).get_shape())
 
     def _base_tensor(self, name: str) -> torch.Tensor:
         if name not in self._base:

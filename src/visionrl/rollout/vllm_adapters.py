@@ -72,18 +72,24 @@ class VLLMAdapters:
         req = LoRARequest(f"{name}-{self._next_id}", self._next_id, str(path))
         if faults.active("ignore_adapters"):
             return None  # generate() then runs the base model: the adapter never reaches the engine
-        with timed(parts, "add"):
-            if self.merged:
-                self._merge(self._llm(), req)
-                return req
-            engine = self._llm().llm_engine  # its core reads the files and places the weights in a LoRA slot
-            added = engine.add_lora(req) and req.lora_int_id in engine.list_loras()
-        if not added:
+        try:
+            with timed(parts, "add"):
+                self._give(req, name)
+        except BaseException:
+            shutil.rmtree(path, ignore_errors=True)  # the engine serves what it served before
+            raise
+        return req
+
+    def _give(self, req: Any, name: str) -> None:
+        if self.merged:
+            self._merge(self._llm(), req)
+            return
+        engine = self._llm().llm_engine  # its core reads the files and places the weights in a LoRA slot
+        if not (engine.add_lora(req) and req.lora_int_id in engine.list_loras()):
             raise RuntimeError(
                 f"vLLM did not take adapter {name} (LoRA id {req.lora_int_id}): add_lora failed or the id is "
                 "not listed; check the engine log for LoRA errors (rank over max_lora_rank, unknown targets)"
             )
-        return req
 
     def remove(self, adapter: Any) -> None:
         """`adapter` out of the engine and its files deleted; when merged and it is in the weights while another
@@ -107,8 +113,13 @@ class VLLMAdapters:
             llm.llm_engine.add_lora(self.served)
 
     def _merge(self, llm: Any, adapter: Any) -> None:
+        from visionrl.rollout.lora_merge import MergeError
+
         path = None if adapter is None else adapter.lora_path
         loaded = llm.collective_rpc("visionrl_merge_adapter", args=(path, self.model_path))
+        refused = next((why for why in loaded if isinstance(why, str)), None)
+        if refused is not None:
+            raise MergeError(refused)
         if adapter is not None and not all(loaded):
             raise RuntimeError(
                 f"the engine merged no weights from adapter {adapter.lora_name}: it adapts nothing the "

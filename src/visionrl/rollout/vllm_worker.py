@@ -26,11 +26,13 @@ class VisionRLWorkerExtension:
         if torch.cuda.is_available():
             torch.cuda.manual_seed_all(seed)
 
-    def visionrl_merge_adapter(self, adapter_dir: str | None, model_path: str) -> int:
+    def visionrl_merge_adapter(self, adapter_dir: str | None, model_path: str) -> int | str:
         """Serve the adapter in `adapter_dir` merged into the base weights (None: the base model again): each layer
         it adapts, or an earlier merge changed, gets the checkpoint's weights plus the adapter's update, written
-        into the tensors the engine computes with (their CUDA graphs stay valid). Returns the tensors loaded."""
-        from visionrl.rollout.lora_merge import MergedWeights, read_adapter
+        into the tensors the engine computes with (their CUDA graphs stay valid). Returns the tensors loaded, or
+        why the adapter cannot be merged (raised by the caller: an error raised here would take the engine core
+        down with it); a refused adapter leaves the weights as they were."""
+        from visionrl.rollout.lora_merge import MergedWeights, MergeError, read_adapter
 
         runner = self.model_runner  # type: ignore[attr-defined]
         model = runner.get_model()
@@ -38,7 +40,11 @@ class VisionRLWorkerExtension:
         if merged is None:
             merged = MergedWeights(model_path, getattr(model, "packed_modules_mapping", {}))
             self._visionrl_merged = merged
-        adapter = read_adapter(adapter_dir) if adapter_dir is not None else {}
+        try:
+            adapter = read_adapter(adapter_dir) if adapter_dir is not None else {}
+            merged.check(adapter)
+        except MergeError as err:
+            return str(err)
         count = [0]
 
         def counted() -> Any:
