@@ -90,19 +90,23 @@ def test_an_engine_that_misapplies_a_part_stops_the_run_at_start(
 
 
 @pytest.mark.parametrize("fault", ["drop_adapter_syncs,fail_engine_batch"], indirect=True)
+@pytest.mark.parametrize("serving", ["adapter", "merged"])
 def test_silently_dropped_syncs_stop_the_run_and_name_the_engine(
     tiny_model: Path,
     color_data: Path,
     tmp_path: Path,
     shared_ray,
     fault: str,
+    serving: str,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """The engine loads version 1, then acknowledges versions 2, 3, ... without loading them. The fingerprint
     after the first sync agrees (about 1e-6 in float32); from the sync of version 2 on the engine serves
     version 1 while the learner scores with 2, 3, ...: the gap grows with every update, and two syncs in a row
     over the bound stop the run, naming the engine. On the way, the engine fails internally in step 2's
-    rollout and rebuilds itself: it is probed again before its next rollout, and passes."""
+    rollout and rebuilds itself: it is probed again before its next rollout, and passes. The same with the adapter
+    merged into the engine's weights (rollout.lora_serving: merged): the check does not depend on how the engine
+    serves the adapter."""
     import json
 
     from visionrl.orchestrate.loop import train
@@ -112,7 +116,7 @@ def test_silently_dropped_syncs_stop_the_run_and_name_the_engine(
         color_data,
         tmp_path / "run",
         "vllm",
-        rollout={"max_logprob_diff": 0.01, "max_logprob_diff_steps": 2},
+        rollout={"max_logprob_diff": 0.01, "max_logprob_diff_steps": 2, "lora_serving": serving},
     )
     with (
         caplog.at_level(logging.INFO),

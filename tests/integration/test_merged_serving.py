@@ -38,11 +38,11 @@ def test_merged_serving_serves_what_the_lora_engine_serves(tiny_model: Path, tmp
     processor = load_processor(tiny_model)
     forbidden = vision_token_ids(load_base_model(tiny_model).config, processor)
     payloads = []
-    for version in (1, 2):  # LoRA on the language model and the merger, every B non-zero
-        model = apply_lora(
-            load_base_model(tiny_model), LoraConfig(rank=8, alpha=16, train_merger=True), seed=0
-        )
-        perturb_lora_b(model, seed=version)
+    # v1, v2: LoRA on the language model and the merger, every B non-zero; v3: the merger's B only
+    for version, only in ((1, ""), (2, ""), (3, "visual")):
+        layout = LoraConfig(rank=8, alpha=16, train_merger=True)
+        model = apply_lora(load_base_model(tiny_model), layout, seed=0)
+        perturb_lora_b(model, seed=version, only=only)
         payloads.append(adapter_payload(model, tmp_path / f"v{version}", version))
     prompts = []
     for rgb in IMAGE_COLORS:
@@ -61,6 +61,11 @@ def test_merged_serving_serves_what_the_lora_engine_serves(tiny_model: Path, tmp
     try:
         assert "enable_lora" not in merged._llm_kwargs  # no LoRA slots, no LoRA kernels
         base = merged.generate(prompts, SPEC)
+        # the start-up probe of the merger alone moves the completions: no image embedding cached before a merge
+        # is reused after it
+        merger_only = merged.probe(payloads[2], prompts)
+        assert merger_only.tokens_changed > 0 or merger_only.largest_change > 1e-3
+        assert tokens(merged.generate(prompts, SPEC)) == tokens(base)  # and the base model is served again
         assert merged.load_adapter(payloads[0]) == 1
         assert {"write", "add", "remove", "reset"} <= set(merged.load_parts)
         served = merged.generate(prompts, SPEC)

@@ -126,6 +126,10 @@ class VLLMAdapters:
                 "checkpoint holds; check the adapter's target modules"
             )
         self._in_weights = adapter
+        # Cached image embeddings and prefixes were computed with the weights before; a LoRA request's new id
+        # keeps them apart, a merge does not (a probe compares the outputs before and after it).
+        llm.llm_engine.reset_encoder_cache()
+        llm.reset_prefix_cache()
 
     def zero_adapter(self) -> AdapterPayload:
         """The served adapter's files with every B zeroed (made once: the layout never changes in a run): the base
