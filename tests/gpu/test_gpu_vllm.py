@@ -60,16 +60,22 @@ def _job(model: Path, data: Path, out: Path, **over: dict) -> dict:
     return raw
 
 
-@pytest.mark.parametrize("sleep", [False, True], ids=["awake", "sleep_during_update"])
+@pytest.mark.parametrize(
+    ("sleep", "serving"),
+    [(False, "adapter"), (True, "adapter"), (False, "merged")],
+    ids=["awake", "sleep_during_update", "merged"],
+)
 def test_colocated_loop_with_vllm_at_8b_shape(
-    model_8b: Path, count_data: Path, tmp_path: Path, sleep: bool
+    model_8b: Path, count_data: Path, tmp_path: Path, sleep: bool, serving: str
 ) -> None:
     """The loop through Ray with vLLM's multiprocess engine core: the start-up delivery probe, the per-step reseed
     (a worker-extension RPC across vLLM's process boundary), sync, and with sleep mode the engine's weights
-    offloaded during each update and back for the next rollout."""
+    offloaded during each update and back for the next rollout; merged: each adapter version merged into the
+    engine's weights (rollout.lora_serving), checked by the same probe and fingerprint."""
     from visionrl.orchestrate.loop import train
 
-    job = _job(model_8b, count_data, tmp_path / "run", rollout={"sleep_during_update": sleep})
+    rollout = {"sleep_during_update": sleep, "lora_serving": serving}
+    job = _job(model_8b, count_data, tmp_path / "run", rollout=rollout)
     result = train(config_from_dict(job))
     assert [h["rollout/adapter_version"] for h in result.history] == [0.0, 1.0]
     if sleep:
@@ -86,9 +92,13 @@ def test_colocated_loop_with_vllm_at_8b_shape(
     assert (result.adapter_dir / "visionrl_manifest.json").is_file()
 
 
-def test_learner_and_engine_agree_after_syncing_a_nonzero_adapter(model_8b: Path, count_data: Path) -> None:
+@pytest.mark.parametrize("serving", ["adapter", "merged"])
+def test_learner_and_engine_agree_after_syncing_a_nonzero_adapter(
+    model_8b: Path, count_data: Path, serving: str
+) -> None:
     """The engine's sampling log-probs equal the learner's for the same tokens and adapter, to bf16 noise, and the
-    adapter matters: the base model's log-probs of those tokens are far off."""
+    adapter matters: the base model's log-probs of those tokens are far off. The same with the adapter merged into
+    the engine's weights (the merged weights rounded to bf16 once)."""
     from visionrl.data import load_dataset
     from visionrl.data.prompts import build_prompt
     from visionrl.models.sequences import Sequence
@@ -109,8 +119,10 @@ def test_learner_and_engine_agree_after_syncing_a_nonzero_adapter(model_8b: Path
         forbidden_token_ids=learner.forbidden.tolist(),
         max_model_len=1024,
         gpu_memory_utilization=0.35,
+        lora_serving=serving,
     )
     assert engine.load_adapter(learner.adapter_payload()) == 0
+    print(serving, "adapter load (s):", engine.load_parts)
     ds = load_dataset(count_data / "train.jsonl")
     prompts = [build_prompt(ds[i], learner.processor) for i in range(4)]
     groups = engine.generate(prompts, SamplingSpec(n=2, temperature=1.0, max_tokens=32))
