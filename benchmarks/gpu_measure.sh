@@ -63,7 +63,7 @@ case $part in
         ;;
     rollout)
         timeout "$limit" python benchmarks/gpu_rollout.py --work "$WORK" --out "$RESULTS" \
-            --variants "${VARIANTS:-job,merged,tuned_lora,lora_specialize}" "$@" > "$OUT/rollout.log" 2>&1
+            --variants "${VARIANTS:-job,adapter,tuned_lora,lora_specialize}" "$@" > "$OUT/rollout.log" 2>&1
         ;;
     tests)
         timeout "$limit" python -m pytest -q -p no:cacheprovider tests/gpu > "$OUT/tests.log" 2>&1

@@ -9,7 +9,11 @@ short warm-up batch, then the timed batch. Reported per variant: generated token
 engine's start, and the generated tokens/s against the job's own setting.
 
 Variants (`--variants`, comma-separated; default all):
-  job         the job file's engine as shipped
+  job         the job file's engine as shipped (its adapter merged into the weights: rollout.lora_serving)
+  adapter     the job's engine with the adapter served by vLLM's LoRA kernels (rollout.lora_serving: adapter);
+              the LoRA-kernel variants below (lora_graphs, dual_stream, lora_specialize, tuned_lora) serve it so too
+  merged      the adapter merged into the engine's base weights, no LoRA kernels (rollout.lora_serving: merged);
+              its row also gives the adapter load's seconds (the merge) against the job's
   no_lora     the same engine without LoRA: what LoRA costs
   seqs_N      rollout.vllm_engine_args max_num_seqs=N (N: 256, 512, 1024)
   tokens_N    rollout.vllm_engine_args max_num_batched_tokens=N (N: 8192, 16384, 32768)
@@ -21,8 +25,6 @@ Variants (`--variants`, comma-separated; default all):
               with programmatic dependent launch on Hopper): what of LoRA's cost overlaps
   lora_specialize  the LoRA kernels' grid sized by the adapters in use (`specialize_active_lora: true`; by default
               it is max_loras + 1 = 2 deep and the no-LoRA slot's blocks start only to exit, every LoRA kernel call)
-  merged      the adapter merged into the engine's base weights, no LoRA kernels (rollout.lora_serving: merged);
-              its row also gives the adapter load's seconds (the merge) against the job's
   tuned_lora  vLLM's LoRA kernels tuned for the job's shapes on this card (lora_kernel_tune.py; the folder is kept
               beside the checkpoint and reused by a later call) through rollout.vllm_env's VLLM_TUNED_CONFIG_FOLDER
 
@@ -49,6 +51,7 @@ from typing import Any
 JOB = "configs/qwen3vl_8b_grpo_lora.yaml"
 VARIANTS = [
     "job",
+    "adapter",
     "no_lora",
     "seqs_256",
     "seqs_512",
@@ -67,8 +70,17 @@ TUNE_BUDGET_S = 240.0  # tuned_lora's search (the rows it does not reach keep vL
 VARIANT_ENV = {"dual_stream": {"VLLM_LORA_ENABLE_DUAL_STREAM": "1"}}
 
 
+# Variants that measure vLLM's LoRA kernels: the adapter is served through them whatever the job ships
+LORA_KERNEL_VARIANTS = ("adapter", "lora_graphs", "dual_stream", "lora_specialize", "tuned_lora")
+
+
 def variant_overrides(name: str) -> list[str]:
     """The job-file overrides of a variant (`no_lora` is applied to the engine itself, not the job)."""
+    serving = ["rollout.lora_serving=adapter"] if name in LORA_KERNEL_VARIANTS else []
+    return serving + _setting(name)
+
+
+def _setting(name: str) -> list[str]:
     kind, _, value = name.partition("_")
     if kind == "seqs":
         return [f"rollout.vllm_engine_args={{max_num_seqs: {int(value)}}}"]
@@ -82,7 +94,7 @@ def variant_overrides(name: str) -> list[str]:
         return ["rollout.vllm_engine_args={compilation_config: {cudagraph_specialize_lora: false}}"]
     if name == "merged":
         return ["rollout.lora_serving=merged"]
-    if name in ("job", "no_lora", "tuned_lora", *VARIANT_ENV):
+    if name in ("job", "adapter", "no_lora", "tuned_lora", *VARIANT_ENV):
         return []
     raise SystemExit(f"unknown variant {name!r}: job, no_lora, seqs_N, tokens_N or share_X")
 

@@ -624,9 +624,6 @@ def test_lora_serving_key_and_its_check() -> None:
         == "merged"
     )
     assert "rollout.lora_serving" in config_error(MINIMAL, ["rollout.lora_serving=fused"])
-    # the HF engine applies the adapter with peft: merged serving there would be silently ignored
-    msg = config_error(MINIMAL, ["rollout.lora_serving=merged", "rollout.engine=hf"])
-    assert "rollout.engine=hf applies it with peft" in msg and "rollout.lora_serving=adapter" in msg
 
 
 def test_stale_batches_without_an_old_policy_that_sampled_them_are_refused() -> None:

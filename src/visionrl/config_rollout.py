@@ -90,7 +90,8 @@ class RolloutConfig(Section):
         "into the weights it adapts (W0 + scale * B @ A, from the checkpoint's W0 kept in host memory, 14 GB per "
         "engine at 8B with LoRA on every projection): "
         "generation as fast as the base model's (LoRA's kernels cost the 8B job 22% of its generation), a "
-        "longer sync, and the merged weights rounded to model.dtype. Both are checked by the same fingerprint.",
+        "longer sync, and the merged weights rounded to model.dtype. Both are checked by the same fingerprint. "
+        "The HF engine applies the adapter with peft either way.",
     )
     vllm_engine_args: dict[str, Any] = Field(
         default_factory=dict,
@@ -135,14 +136,5 @@ class RolloutConfig(Section):
                 "trains, but rollout.sleep_during_update puts them to sleep during the update; set "
                 "rollout.sleep_during_update=false (and give engines their own GPUs: ray.placement=split), or "
                 "rollout.async_steps=0"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def validate_merged_on_vllm(self) -> RolloutConfig:
-        if self.lora_serving == "merged" and self.engine != "vllm":
-            raise ValueError(
-                f"rollout.lora_serving=merged is how vLLM engines serve the adapter; rollout.engine={self.engine} "
-                "applies it with peft: set rollout.engine=vllm, or rollout.lora_serving=adapter"
             )
         return self

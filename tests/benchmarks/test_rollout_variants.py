@@ -16,11 +16,14 @@ def test_each_variant_is_one_engine_setting() -> None:
     assert (
         variant_overrides("job") == variant_overrides("no_lora") == []
     )  # no_lora: the engine's rank, not the job
+    assert variant_overrides("adapter") == ["rollout.lora_serving=adapter"]
+    assert variant_overrides("merged") == ["rollout.lora_serving=merged"]
     assert variant_overrides("seqs_512") == ["rollout.vllm_engine_args={max_num_seqs: 512}"]
     assert variant_overrides("tokens_16384") == ["rollout.vllm_engine_args={max_num_batched_tokens: 16384}"]
     assert variant_overrides("share_0.5") == ["rollout.gpu_memory_utilization=0.5"]
     assert variant_overrides("lora_graphs") == [
-        "rollout.vllm_engine_args={compilation_config: {cudagraph_specialize_lora: false}}"
+        "rollout.lora_serving=adapter",
+        "rollout.vllm_engine_args={compilation_config: {cudagraph_specialize_lora: false}}",
     ]
     assert all(isinstance(variant_overrides(v), list) for v in VARIANTS)  # the default list is all valid
     with pytest.raises(SystemExit, match="unknown variant 'fast'"):
@@ -33,8 +36,11 @@ def test_the_overrides_load_into_the_production_job() -> None:
     job = Path(__file__).resolve().parents[2] / "configs" / "qwen3vl_8b_grpo_lora.yaml"
     cfg = load_config(job, variant_overrides("seqs_512") + variant_overrides("share_0.5"))
     assert cfg.rollout.vllm_engine_args == {"max_num_seqs": 512} and cfg.rollout.gpu_memory_utilization == 0.5
-    assert load_config(job).rollout.lora_serving == "adapter"  # the job as shipped; merged is the variant
+    assert load_config(job).rollout.lora_serving == "merged"  # the job as shipped
     assert load_config(job, variant_overrides("merged")).rollout.lora_serving == "merged"
+    # the variants that measure vLLM's LoRA kernels serve the adapter through them
+    for name in ("adapter", "tuned_lora", "lora_specialize", "lora_graphs", "dual_stream"):
+        assert load_config(job, variant_overrides(name)).rollout.lora_serving == "adapter", name
 
 
 def test_the_lora_graphs_variant_reaches_the_engine_as_vllm_reads_it() -> None:
@@ -46,7 +52,7 @@ def test_the_lora_graphs_variant_reaches_the_engine_as_vllm_reads_it() -> None:
 
 
 def test_the_dual_stream_variant_is_the_engines_environment_not_the_job() -> None:
-    assert variant_overrides("dual_stream") == []
+    assert variant_overrides("dual_stream") == ["rollout.lora_serving=adapter"]
     assert VARIANT_ENV["dual_stream"] == {"VLLM_LORA_ENABLE_DUAL_STREAM": "1"}
     assert set(VARIANT_ENV) <= set(VARIANTS)
 
@@ -73,9 +79,8 @@ def test_a_row_says_whether_this_vllm_reads_the_variants_environment(monkeypatch
 def test_the_lora_variants_are_settings_of_the_job() -> None:
     from visionrl.config import load_config
 
-    assert (
-        variant_overrides("tuned_lora") == []
-    )  # its folder is set where it is tuned, in the variant's process
+    # its folder is set where it is tuned, in the variant's process
+    assert variant_overrides("tuned_lora") == ["rollout.lora_serving=adapter"]
     job = Path(__file__).resolve().parents[2] / "configs" / "qwen3vl_8b_grpo_lora.yaml"
     cfg = load_config(job, variant_overrides("lora_specialize"))
     assert cfg.rollout.vllm_engine_args == {"specialize_active_lora": True}
