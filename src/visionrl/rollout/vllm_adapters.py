@@ -47,9 +47,8 @@ class VLLMAdapters:
         self.model_path = model_path
         self.merged = merged
         self.served: Any = None  # the version served (a LoRARequest: its name, id and folder)
-        self._in_weights: Any = (
-            None  # merged: the adapter the engine's weights hold now (None: the base model)
-        )
+        # merged: the adapter the engine's weights hold now (None: the base model)
+        self._in_weights: Any = None
         self._next_id = 0  # LoRA ids handed out so far: each adapter version and probe gets a new one
         self._zero: AdapterPayload | None = None
 

@@ -1,4 +1,5 @@
-"""The production rollout engine: an in-process vLLM `LLM` with LoRA, fed a new adapter version every step.
+"""The production rollout engine: an in-process vLLM `LLM` with LoRA, fed a new adapter version every step (as a
+LoRA adapter, or merged into its weights: `rollout.vllm_adapters`).
 
 Facts this engine is built on (docs/ENGINE_NOTES.md, measured on vLLM 0.32):
 - each adapter version gets a new LoRA id and name; reusing one returns stale image embeddings;
