@@ -96,7 +96,7 @@ def _setting(name: str) -> list[str]:
         return ["rollout.lora_serving=merged"]
     if name in ("job", "adapter", "no_lora", "tuned_lora", *VARIANT_ENV):
         return []
-    raise SystemExit(f"unknown variant {name!r}: job, no_lora, seqs_N, tokens_N or share_X")
+    raise SystemExit(f"unknown variant {name!r}: one of {', '.join(VARIANTS)}, or seqs_N, tokens_N, share_X")
 
 
 def random_adapter(model_dir: Path, cfg: Any, seed: int = 0) -> Any:

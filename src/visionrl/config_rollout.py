@@ -9,6 +9,7 @@ from pydantic import Field, field_validator, model_validator
 
 from visionrl.config_yaml import Section
 
+LoraServing = Literal["adapter", "merged"]  # how adapter versions reach vLLM engines (rollout.vllm_adapters)
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 # vLLM engine arguments visionrl derives from the job: given in rollout.vllm_engine_args, they would silently
@@ -83,7 +84,7 @@ class RolloutConfig(Section):
         "Overlaps only where engines and learner do not share a device (split placement, CPUs).",
     )
 
-    lora_serving: Literal["adapter", "merged"] = Field(
+    lora_serving: LoraServing = Field(
         "adapter",
         description="vLLM: how each adapter version reaches the engines. adapter: as a LoRA adapter, applied by "
         "vLLM's LoRA kernels to every request. merged: the engines run without LoRA and each version is merged "

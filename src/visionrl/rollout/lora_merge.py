@@ -46,10 +46,10 @@ class Delta:
     b: torch.Tensor  # [out, r]
     scale: float
 
-    def full(self, device: torch.device | str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """scale * b @ a, [out, in], computed in float32 on `device`."""
+    def full(self, device: torch.device | str) -> torch.Tensor:
+        """scale * b @ a, [out, in], in float32 on `device`."""
         b, a = (t.to(device=device, dtype=torch.float32) for t in (self.b, self.a))
-        return (self.scale * (b @ a)).to(dtype)
+        return self.scale * (b @ a)
 
 
 def read_adapter(folder: str | Path) -> dict[str, Delta]:
@@ -133,10 +133,20 @@ class MergedWeights:
         self, adapter: Mapping[str, Delta], device: torch.device | str, dtype: torch.dtype
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """(checkpoint name, tensor) for every tensor of each fused layer that `adapter` adapts or an earlier merge
-        changed: W0 + delta where adapted, W0 elsewhere, in `dtype` on `device`; layer by layer."""
+        changed: W0 + delta where adapted, W0 elsewhere, in `dtype` on `device`; layer by layer. The adapter is
+        checked here, before the first tensor is asked for (MergeError): a refusal comes before any weight moves."""
         self.check(adapter)
         groups = fused_modules(self._touched | set(adapter), self.packed)
         self._touched |= set(adapter)
+        return self._tensors(groups, adapter, device, dtype)
+
+    def _tensors(
+        self,
+        groups: list[list[str]],
+        adapter: Mapping[str, Delta],
+        device: torch.device | str,
+        dtype: torch.dtype,
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         for group in groups:
             for module in group:
                 for suffix in ("weight", "bias"):
@@ -188,7 +198,3 @@ class MergedWeights:
                 tensor = tensor.pin_memory()
             self._base[name] = tensor
         return self._base[name]
-
-    def host_bytes(self) -> int:
-        """Host memory the kept base tensors take."""
-        return sum(t.numel() * t.element_size() for t in self._base.values())

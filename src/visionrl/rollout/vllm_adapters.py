@@ -17,14 +17,15 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, get_args
 
 from visionrl import faults
+from visionrl.config_rollout import LoraServing
 from visionrl.rollout.probe import as_a_faulty_engine_applies
 from visionrl.rollout.scratch import make_scratch_dir, remove_orphaned_scratch
 from visionrl.types import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterPayload
 
-SERVINGS = ("adapter", "merged")
+SERVINGS: tuple[str, ...] = get_args(LoraServing)
 
 
 @contextlib.contextmanager

@@ -42,13 +42,13 @@ class VisionRLWorkerExtension:
             self._visionrl_merged = merged
         try:
             adapter = read_adapter(adapter_dir) if adapter_dir is not None else {}
-            merged.check(adapter)
+            tensors = merged.tensors_for(adapter, runner.device, runner.model_config.dtype)
         except MergeError as err:
             return str(err)
         count = [0]
 
         def counted() -> Any:
-            for item in merged.tensors_for(adapter, runner.device, runner.model_config.dtype):
+            for item in tensors:
                 count[0] += 1
                 yield item
 
