@@ -76,8 +76,10 @@ def test_merged_serving_serves_what_the_lora_engine_serves(tiny_model: Path, tmp
         # a probe of v2 moves the completions; afterwards v1 is served again
         assert merged.probe(payloads[1], prompts).tokens_changed > 0
         assert tokens(merged.generate(prompts, SPEC)) == tokens(expected)
-        # the judge answers as the base model; afterwards v1 is served again
+        # the judge answers as the base model (the checkpoint's weights merged back, no zero adapter built);
+        # afterwards v1 is served again
         assert merged.judge(prompts, JudgeAsk(max_tokens=8)) == [g[0].text for g in base]
+        assert merged._adapters._zero is None
         assert tokens(merged.generate(prompts, SPEC)) == tokens(expected)
         # an adapter a merge cannot reproduce is refused with the setting to use, and v1 stays served
         config = json.loads(payloads[1].files[ADAPTER_CONFIG]) | {"rank_pattern": {"q_proj": 4}}

@@ -26,6 +26,7 @@ from visionrl.rollout.scratch import make_scratch_dir, remove_orphaned_scratch
 from visionrl.types import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterPayload
 
 SERVINGS: tuple[str, ...] = get_args(LoraServing)
+BASE = object()  # merged: what `base()` hands out, the checkpoint's own weights in the engine
 
 
 @contextlib.contextmanager
@@ -91,17 +92,30 @@ class VLLMAdapters:
                 "not listed; check the engine log for LoRA errors (rank over max_lora_rank, unknown targets)"
             )
 
+    def base(self) -> Any:
+        """The base model for a judge, to `remove` after: merged, the checkpoint's weights back in the engine (no
+        adapter to build or merge); otherwise the served adapter with every B zeroed in a slot of its own, since a
+        request without a LoRA can still see one held before (docs/ENGINE_NOTES.md). None while nothing is
+        served (the engine is the base model)."""
+        if self.served is None:
+            return None
+        if self.merged:
+            self._merge(self._llm(), None)
+            return BASE
+        return self.add(self.zero_adapter(), "visionrl-base")
+
     def remove(self, adapter: Any) -> None:
-        """`adapter` out of the engine and its files deleted; when merged and it is in the weights while another
-        version is served (a probe, the judge's base model), the served version is merged back first."""
+        """`adapter` out of the engine and its files deleted; when merged and the weights hold something other than
+        the served version (a probe, the judge's base model), the served version is merged back first."""
         if adapter is None:
             return
         if self.merged:
-            if adapter is self._in_weights and adapter is not self.served:
+            if self._in_weights is not self.served:
                 self._merge(self._llm(), self.served)
         else:
             self._llm().llm_engine.remove_lora(adapter.lora_int_id)
-        shutil.rmtree(adapter.lora_path, ignore_errors=True)
+        if adapter is not BASE:
+            shutil.rmtree(adapter.lora_path, ignore_errors=True)
 
     def restore(self, llm: Any) -> None:
         """The served version into a newly built engine (a rebuild after an internal error)."""

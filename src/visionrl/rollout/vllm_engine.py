@@ -211,9 +211,9 @@ class VLLMEngine:
         return Completion(0, list(continuation), "", lps, "length", adapter_version=self._version)
 
     def judge(self, prompts: list[PromptItem], ask: JudgeAsk) -> list[float | str | None]:
-        """The base model's verdicts: under a zero adapter (B = 0), not without one, since requests without a LoRA
-        can still see a LoRA held before (docs/ENGINE_NOTES.md); the caches are reset before and after, so no image
-        embedding or prefix crosses between the policy and the judge."""
+        """The base model's verdicts (`VLLMAdapters.base`: the checkpoint's weights merged back, or a zero adapter
+        in a LoRA slot); the caches are reset before and after, so no image embedding or prefix crosses between the
+        policy and the judge."""
         from vllm import SamplingParams
 
         self._exclusive("judging")
@@ -237,10 +237,7 @@ class VLLMEngine:
         def skip(index: int, err: BaseException) -> None:
             logger.warning("vLLM rejected judge prompt %d; skipping it: %s", index, err)
 
-        served = self._adapters.served
-        base = (
-            self._adapters.add(self._adapters.zero_adapter(), "visionrl-base") if served is not None else None
-        )
+        base = self._adapters.base()
         self._reset_caches()
         try:
             outputs = generate_skipping(
