@@ -88,6 +88,7 @@ def test_collapse_warns_once_after_three_collapsed_steps_below_the_target_naming
     )
     assert "algorithm.dynamic_sampling (now false; try true)" in msg
     assert "algorithm.entropy_coef (now 0.0; try 0.01)" in msg
+    assert "algorithm.kl_coef (now 0.0; try 0.1: a KL to the base model" in msg
     assert "algorithm.updates_per_batch (now 1; try 2" in msg
     two = CollapseWatch(AlgorithmConfig(updates_per_batch=2), target=0.9).remedies()
     assert two[0] == "algorithm.clip_high (now 0.2; DAPO clip-higher: 0.28)"

@@ -141,8 +141,8 @@ class CollapseWatch:
         return True
 
     def remedies(self) -> list[str]:
-        """The exploration settings, each with its value now and one to try (DAPO's, an entropy bonus, and more
-        updates per batch, without which clip-higher cannot act when the learner's log-probs are the old policy:
+        """The exploration settings, each with its value now and one to try (DAPO's, an entropy bonus, a KL to the
+        base model, and more updates per batch, without which clip-higher cannot act when the learner's log-probs are the old policy:
         the one mini-batch is on-policy, its ratio exactly 1)."""
         a = self.algo
         on_policy = a.updates_per_batch == 1 and a.old_logprobs == "learner"
@@ -152,6 +152,8 @@ class CollapseWatch:
             f"{clip_note})",
             f"algorithm.dynamic_sampling (now {str(a.dynamic_sampling).lower()}; try true)",
             f"algorithm.entropy_coef (now {a.entropy_coef}; try {max(0.01, 2 * a.entropy_coef):g})",
+            f"algorithm.kl_coef (now {a.kl_coef}; try {max(0.1, 2 * a.kl_coef):g}: a KL to the base model pulls a "
+            "collapsed answer back toward the base's own spread, where groups disagree again)",
             f"algorithm.updates_per_batch (now {a.updates_per_batch}; try {2 * a.updates_per_batch}: more updates "
             "from each batch)",
         ]
