@@ -142,8 +142,8 @@ class CollapseWatch:
 
     def remedies(self) -> list[str]:
         """The exploration settings, each with its value now and one to try (DAPO's, an entropy bonus, a KL to the
-        base model, and more updates per batch, without which clip-higher cannot act when the learner's log-probs are the old policy:
-        the one mini-batch is on-policy, its ratio exactly 1)."""
+        base model, and more updates per batch, without which clip-higher cannot act when the learner's log-probs
+        are the old policy: the one mini-batch is on-policy, its ratio exactly 1)."""
         a = self.algo
         on_policy = a.updates_per_batch == 1 and a.old_logprobs == "learner"
         clip_note = "; it acts only with updates_per_batch >= 2" if on_policy else ""
