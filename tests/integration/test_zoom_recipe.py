@@ -1,7 +1,7 @@
 """Multi-turn learning, proved once: `make demo-zoom` (configs/zoom.yaml, the zoom base and data it builds) must
 teach the tiny model to crop the box the question asks for: the base, which crops with the y axis flipped, never
 answers right; the trained adapter does, and falls back to chance when the crop tool shows the whole picture or
-the pictures are permuted. About 5 minutes on 2 cores (the slow tier)."""
+the pictures are permuted. About 4.5 minutes on 2 cores (the slow tier)."""
 
 from __future__ import annotations
 
