@@ -246,11 +246,14 @@ def known_env(env: dict[str, str]) -> dict[str, bool]:
 
 
 def seen_env(env: dict[str, str]) -> dict[str, bool]:
-    """Whether vLLM, in this process (whose environment its engine core inherits), reads each variable's value."""
+    """Whether vLLM, in this process (whose environment its engine core inherits), reads each variable's value.
+    Parsed afresh from the environment: once an engine has started in a process, `vllm.envs` answers from a cache
+    of the values at that time."""
     import vllm.envs
 
     def seen(name: str, value: str) -> bool:
-        got = getattr(vllm.envs, name, None)
+        parse = vllm.envs.environment_variables.get(name)
+        got = parse() if parse is not None else getattr(vllm.envs, name, None)
         return got == (value.lower() in ("1", "true")) if isinstance(got, bool) else str(got) == value
 
     return {name: seen(name, value) for name, value in env.items()}

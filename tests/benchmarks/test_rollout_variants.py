@@ -57,11 +57,20 @@ def test_the_dual_stream_variant_is_the_engines_environment_not_the_job() -> Non
     assert set(VARIANT_ENV) <= set(VARIANTS)
 
 
-def test_a_row_says_whether_this_vllm_reads_the_variants_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_row_says_whether_this_vllm_reads_the_variants_environment(
+    monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> None:
     """The CPU build here (vLLM 0.32) knows the dual-stream variable; a name it lacks is reported as unknown; and
     whether vLLM in this process reads each value the variant set (its engine core inherits the environment)."""
     pytest.importorskip("vllm")
     import gpu_rollout
+    import vllm.envs
+
+    # as after an engine's start in this process (another test's, before this one): vLLM's cache of its variables
+    if not vllm.envs._is_envs_cache_enabled():
+        vllm.envs.enable_envs_cache()
+        request.addfinalizer(vllm.envs.disable_envs_cache)
+    _ = vllm.envs.VLLM_TUNED_CONFIG_FOLDER  # cached unset
 
     assert gpu_rollout.known_env(VARIANT_ENV["dual_stream"]) == {"VLLM_LORA_ENABLE_DUAL_STREAM": True}
     assert gpu_rollout.known_env({}) == {}
