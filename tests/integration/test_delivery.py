@@ -116,13 +116,7 @@ def test_silently_dropped_syncs_stop_the_run_and_name_the_engine(
         color_data,
         tmp_path / "run",
         "vllm",
-        rollout={
-            "max_logprob_diff": 0.01,
-            "max_logprob_diff_steps": 2,
-            "lora_serving": serving,
-            # vLLM's CPU build compiles an engine that serves no LoRA (merged): 42 s to start, eager 20 s
-            "enforce_eager": True,
-        },
+        rollout={"max_logprob_diff": 0.01, "max_logprob_diff_steps": 2, "lora_serving": serving},
     )
     with (
         caplog.at_level(logging.INFO),

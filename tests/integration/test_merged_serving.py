@@ -22,11 +22,10 @@ SPEC = SamplingSpec(n=1, greedy=True, max_tokens=8)
 
 
 def engine(model: Path, forbidden: list[int], serving: str) -> Any:
-    """Eager: vLLM's CPU build compiles an engine that serves no LoRA (merged), 14 s of this test's 30."""
     from visionrl.rollout.vllm_engine import VLLMEngine
 
     return VLLMEngine(str(model), lora_rank=8, tower_lora=True, forbidden_token_ids=forbidden, dtype="float32",
-                      max_model_len=512, lora_serving=serving, enforce_eager=True)  # fmt: skip
+                      max_model_len=512, lora_serving=serving)  # fmt: skip
 
 
 def tokens(groups: list[list[Any]]) -> list[list[int]]:
@@ -61,6 +60,8 @@ def test_merged_serving_serves_what_the_lora_engine_serves(tiny_model: Path, tmp
     merged = engine(tiny_model, forbidden, "merged")
     try:
         assert "enable_lora" not in merged._llm_kwargs  # no LoRA slots, no LoRA kernels
+        # and eager on the CPU build, which would compile it (not the LoRA engine)
+        assert merged._llm_kwargs["enforce_eager"] and not lora._llm_kwargs["enforce_eager"]
         base = merged.generate(prompts, SPEC)
         # the start-up probe of the merger alone moves the completions: no image embedding cached before a merge
         # is reused after it

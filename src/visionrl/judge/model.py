@@ -19,7 +19,6 @@ class ModelJudge:
         from transformers import AutoConfig
 
         from visionrl.rollout.vllm_engine import VLLMEngine
-        from visionrl.rollout.vllm_platform import cpu_only
 
         assert spec.model is not None  # JudgeSpec.check: the vllm backend names its model
         budget = ImageBudget()
@@ -37,8 +36,6 @@ class ModelJudge:
             kv_cache_gib=kv_cache_gib,
             seed=seed,
             budget=budget,
-            # vLLM's CPU build compiles an engine that serves no LoRA: 42 s to start the tiny model, eager 20 s
-            enforce_eager=cpu_only(),
         )
 
     def judge(self, requests: list[JudgeRequest]) -> list[float | str | None]:

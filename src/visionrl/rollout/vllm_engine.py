@@ -101,6 +101,9 @@ class VLLMEngine:
         self._cpu = cpu_only()
         if self._cpu:
             set_cpu_env(kv_cache_gib)
+            if "enable_lora" not in self._llm_kwargs:
+                # the CPU build compiles an engine that serves no LoRA: the tiny model 42 s to start, eager 20 s
+                self._llm_kwargs["enforce_eager"] = True
         else:
             self._llm_kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         # Sleep mode exists on GPUs only (a no-op on the CPU build): it frees the KV cache and moves the weights
