@@ -267,3 +267,29 @@ def test_the_early_stop_count_carries_over_a_resume(tmp_path: Path) -> None:
         f.write(json.dumps({"step": 50, "eval/accuracy": None}) + "\n")  # an evaluation that failed
     assert evaluations_so_far(history, 0.9) == (None, 0)
     assert evaluations_so_far(tmp_path / "none.jsonl", 0.9) == (None, 0)  # nothing evaluated yet
+
+
+@pytest.mark.parametrize(
+    ("learner_gpus", "engine_gpus", "placement", "waits"),
+    [
+        (0.0, 0.0, "colocated", False),  # the CPU loop: the engines load beside the learners
+        (0.5, 0.4, "colocated", True),  # a shared GPU: an engine sizes its share after the learner has loaded
+        (1.0, 1.0, "split", True),
+    ],
+)
+def test_engines_load_the_model_after_the_learners_only_where_both_use_gpus(
+    learner_gpus: float, engine_gpus: float, placement: str, waits: bool
+) -> None:
+    from visionrl.orchestrate.actors import _engines_wait_for_learners
+
+    cfg = config_from_dict(
+        {
+            "output_dir": "out",
+            "model": {"path": "nowhere"},
+            "data": {"train": "none.jsonl"},
+            "rewards": [{"name": "exact_match"}],
+            "rollout": {"gpus_per_engine": engine_gpus},
+            "ray": {"learner_gpus": learner_gpus, "placement": placement},
+        }
+    )
+    assert _engines_wait_for_learners(cfg) is waits

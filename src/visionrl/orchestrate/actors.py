@@ -340,6 +340,13 @@ def _start_engine(
     return RolloutActor.options(**opts).remote(cfg, forbidden, cfg.train.seed + index, index, after)  # type: ignore[attr-defined]
 
 
+def _engines_wait_for_learners(cfg: JobConfig) -> bool:
+    """Whether the engines load the model only once the learners have theirs: where both use GPUs (an engine
+    sizes its share of a GPU from the memory free when it starts). Engines on CPUs start with the learners and
+    load beside them (on the CPU test loop, 2-4 s of a run's start-up)."""
+    return cfg.rollout.gpus_per_engine > 0 and cfg.ray.learner_gpus > 0
+
+
 def _wait_for_learners(setups: list[Any]) -> None:
     """Until the learners' setup calls are done. One that raised stops this engine's start too (the driver
     reports the learner's error); a result no longer held (this engine rebuilt by Ray long after the start) means
@@ -454,23 +461,27 @@ def start_actors(cfg: JobConfig) -> tuple[list[Any], list[Any], list[Any]]:
     engines: list[Any] = []
     rewards: list[Any] = []
     timeout, key = r.startup_timeout_s, "ray.startup_timeout_s"
+    forbidden = checkpoint_vision_token_ids(cfg.model.path)
     try:
-        address = gather([Call(learners[0].address.remote(), LEARNER, 0)], "start-up", timeout, key, True)[0]
-        setups = [
-            Call(a.setup.remote(address), LEARNER, i) for i, a in enumerate(learners)
-        ]  # all join at once
-        # The engines start now and import their library while the learners load the model; each loads it
-        # once the learners are done (their weights already placed, an engine's memory profile sees them as they
-        # will stay). Meanwhile the learners compile their layers for training.
-        forbidden, after = checkpoint_vision_token_ids(cfg.model.path), [[c.ref for c in setups]]
-        engines = [_start_engine(cfg, i, forbidden, opts, after) for i, opts in enumerate(engine_opts)]
-        gather(setups, "start-up", timeout, key, interruptible=True)
-        warm = [Call(a.warm_up.remote(), LEARNER, i) for i, a in enumerate(learners)]
-        # a job whose only reward is a judge has no rule rewards to score
+        if not _engines_wait_for_learners(cfg):
+            engines = [_start_engine(cfg, i, forbidden, opts) for i, opts in enumerate(engine_opts)]
+        # a job whose only reward is a judge has no rule rewards to score; the workers start beside the rest
         rewards = [
             _start_reward_worker(cfg, i)
             for i in range(r.num_reward_workers if cfg.reward_specs(judges=False) else 0)
         ]
+        address = gather([Call(learners[0].address.remote(), LEARNER, 0)], "start-up", timeout, key, True)[0]
+        setups = [
+            Call(a.setup.remote(address), LEARNER, i) for i, a in enumerate(learners)
+        ]  # all join at once
+        if not engines:
+            # GPU engines start now and import their library while the learners load the model; each loads it
+            # once the learners are done (their weights already placed, an engine's memory profile sees them as
+            # they will stay). Meanwhile the learners compile their layers for training.
+            after = [[c.ref for c in setups]]
+            engines = [_start_engine(cfg, i, forbidden, opts, after) for i, opts in enumerate(engine_opts)]
+        gather(setups, "start-up", timeout, key, interruptible=True)
+        warm = [Call(a.warm_up.remote(), LEARNER, i) for i, a in enumerate(learners)]
         # Fail early, with the actor's own error, if any of them cannot start; say where each one runs.
         calls = [
             *warm,
