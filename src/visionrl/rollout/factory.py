@@ -64,6 +64,9 @@ def make_engine(
 
 def preload_engine(engine: str) -> None:
     """Import what `make_engine` will build on (vLLM's import alone takes 15-18 s on a GPU machine), so that an
-    engine waiting for its turn to load the model spends the wait on it."""
+    engine waiting for its turn to load the model spends the wait on it. `import vllm` alone is lazy: on the CPU
+    build it takes 1.8 s and the engine class 4.2 s more (docs/ENGINE_NOTES.md)."""
     if engine == "vllm":
-        import vllm  # noqa: F401
+        from vllm import LLM  # noqa: F401
+
+        from visionrl.rollout import vllm_engine  # noqa: F401
