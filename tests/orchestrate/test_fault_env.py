@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from visionrl import faults
-from visionrl.orchestrate.actors import with_actor_env
+from visionrl.orchestrate.scheduling import with_actor_env
 
 
 def test_only_the_armed_fault_variables_are_passed_on(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -42,7 +42,7 @@ def test_rollout_vllm_env_reaches_each_engine_beside_the_fault_variables(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from visionrl.config import config_from_dict
-    from visionrl.orchestrate.actors import _engine_options
+    from visionrl.orchestrate.scheduling import engine_options
 
     monkeypatch.setenv("VISIONRL_FAULTS", "kill_engine")
     monkeypatch.delenv("VISIONRL_FAULTS_DIR", raising=False)
@@ -55,7 +55,7 @@ def test_rollout_vllm_env_reaches_each_engine_beside_the_fault_variables(
             "rollout": {"num_engines": 2, "vllm_env": {"VLLM_LORA_ENABLE_DUAL_STREAM": 1}},
         }
     )
-    engines = _engine_options(cfg)
+    engines = engine_options(cfg)
     with_actor_env(engines)
     want = {"VLLM_LORA_ENABLE_DUAL_STREAM": "1", "VISIONRL_FAULTS": "kill_engine"}
     assert [e["runtime_env"]["env_vars"] for e in engines] == [want, want]

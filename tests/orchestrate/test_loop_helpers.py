@@ -280,7 +280,7 @@ def test_the_early_stop_count_carries_over_a_resume(tmp_path: Path) -> None:
 def test_engines_load_the_model_after_the_learners_only_where_both_use_gpus(
     learner_gpus: float, engine_gpus: float, placement: str, waits: bool
 ) -> None:
-    from visionrl.orchestrate.actors import _engines_wait_for_learners
+    from visionrl.orchestrate.scheduling import engines_wait_for_learners
 
     cfg = config_from_dict(
         {
@@ -292,4 +292,4 @@ def test_engines_load_the_model_after_the_learners_only_where_both_use_gpus(
             "ray": {"learner_gpus": learner_gpus, "placement": placement},
         }
     )
-    assert _engines_wait_for_learners(cfg) is waits
+    assert engines_wait_for_learners(cfg) is waits

@@ -1,4 +1,5 @@
-"""Ray actors (thin wrappers of the plain classes) and their placement (the Ray they run on: `ray_session`).
+"""Ray actors (thin wrappers of the plain classes) and their start (the Ray they run on: `ray_session`; their
+Ray options and placement: `scheduling`).
 
 Actors: `ray.num_learners` learner ranks, `rollout.num_engines` rollout engines, `ray.num_reward_workers`
 reward workers; none takes a CPU reservation, so 2 cores can host them all. Where they go is planned by
@@ -20,12 +21,12 @@ import ray
 
 from visionrl import faults
 from visionrl.config import JobConfig, RayConfig
-from visionrl.config_placement import PlacementPlan
 from visionrl.data.images import ImageBudget
-from visionrl.errors import InputError, out_of_memory
+from visionrl.errors import out_of_memory
 from visionrl.models.loader import checkpoint_vision_token_ids
 from visionrl.orchestrate import console
 from visionrl.orchestrate.remote import ENGINE, LEARNER, REWARD, Call, gather, kill_actors
+from visionrl.orchestrate.scheduling import engines_wait_for_learners, scheduling, with_actor_env
 from visionrl.rewards import RewardSpec, build_reward_fn
 from visionrl.rollout.factory import make_engine, preload_engine
 from visionrl.train.learner_state import LearnerState
@@ -317,34 +318,11 @@ def placement() -> dict[str, Any]:
     return {"node": ctx.get_node_id()[:8], "gpus": [str(g) for g in ray.get_gpu_ids()], "pid": os.getpid()}
 
 
-def _engine_options(cfg: JobConfig) -> list[dict[str, Any]]:
-    # max_restarts: Ray rebuilds a dead (or killed, because hung) engine in place, same arguments and placement;
-    # `Workers` counts the restarts of the run against the same limit and re-syncs the adapter.
-    options: list[dict[str, Any]] = []
-    for _ in range(cfg.rollout.num_engines):
-        opts: dict[str, Any] = {
-            "num_cpus": 0,
-            "num_gpus": cfg.rollout.gpus_per_engine,
-            "max_restarts": cfg.ray.max_actor_restarts,
-        }
-        if cfg.rollout.vllm_env:  # the settings vLLM reads from its process's environment
-            opts["runtime_env"] = {"env_vars": dict(cfg.rollout.vllm_env)}
-        options.append(opts)
-    return options
-
-
 def _start_engine(
     cfg: JobConfig, index: int, forbidden: list[int], opts: dict[str, Any], after: list | None = None
 ) -> Any:
     # mypy keeps a class's own type under a class decorator; `@ray.remote` adds `.options` at run time.
     return RolloutActor.options(**opts).remote(cfg, forbidden, cfg.train.seed + index, index, after)  # type: ignore[attr-defined]
-
-
-def _engines_wait_for_learners(cfg: JobConfig) -> bool:
-    """Whether the engines load the model only once the learners have theirs: where both use GPUs (an engine
-    sizes its share of a GPU from the memory free when it starts). Engines on CPUs start with the learners and
-    load beside them (on the CPU test loop, 2-4 s of a run's start-up)."""
-    return cfg.rollout.gpus_per_engine > 0 and cfg.ray.learner_gpus > 0
 
 
 def _wait_for_learners(setups: list[Any]) -> None:
@@ -365,97 +343,12 @@ def _start_reward_worker(cfg: JobConfig, index: int) -> Any:
     return RewardActor.options(**opts).remote(cfg.reward_specs(judges=False), cfg.ray, index)  # type: ignore[attr-defined]
 
 
-def _scheduling(cfg: JobConfig, plan: PlacementPlan) -> tuple[list[dict], list[dict]]:
-    """Ray options of each learner rank and each engine for `plan` (reserving its placement group)."""
-    learner_opts: list[dict[str, Any]] = [
-        {"num_cpus": 0, "num_gpus": cfg.ray.learner_gpus} for _ in range(cfg.ray.num_learners)
-    ]
-    engine_opts = _engine_options(cfg)
-    if plan.bundles:
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        pg = placement_group(plan.bundles)
-        ray.get(pg.ready())
-        pairs = [*zip(learner_opts, plan.learners, strict=True), *zip(engine_opts, plan.engines, strict=True)]
-        for opts, bundle in pairs:
-            if bundle is not None:
-                opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                    placement_group=pg, placement_group_bundle_index=bundle
-                )
-    if plan.spread:
-        _spread(learner_opts)
-        _spread(engine_opts)
-    if cfg.ray.learner_gpus > 0 and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
-        # Expandable segments: the learner's activations change size every micro-batch, and fixed segments
-        # fragment. Learner only: vLLM's sleep mode refuses them in the engine's process.
-        for opts in learner_opts:
-            opts["runtime_env"] = {"env_vars": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}}
-    with_actor_env(learner_opts + engine_opts)
-    return learner_opts, engine_opts
-
-
-def with_actor_env(options: list[dict[str, Any]]) -> None:
-    """Faults armed in the driver (visionrl.faults) and the log file of the actors' output (`console`) go to every
-    actor's environment: a Ray started before them (a cluster, or one Ray for several runs) would not pass them on
-    otherwise."""
-    env = {**faults.actor_env(), **console.actor_env()}
-    if not env:
-        return
-    for opts in options:
-        runtime = opts.setdefault("runtime_env", {})
-        runtime["env_vars"] = {**runtime.get("env_vars", {}), **env}
-
-
-def _spread(options: list[dict[str, Any]]) -> None:
-    """CPU only: one tiny bundle per actor in a placement group of strategy SPREAD, so that on a cluster the
-    actors of one kind (the learner ranks; the engines) go to different nodes (reserving nothing, Ray would start
-    them all on the driver's node); on one node they all land there, as before. One group per kind: a single
-    group of 2 ranks and 2 engines on 3 nodes may put both engines on one node. GPU actors are placed by their GPUs instead:
-    packing learner ranks onto one node keeps their all-reduce on NVLink."""
-    from ray.util.placement_group import placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    pg = placement_group([{"CPU": 0.001} for _ in options], strategy="SPREAD")
-    ray.get(pg.ready())
-    for i, opts in enumerate(options):
-        opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-            placement_group=pg, placement_group_bundle_index=i
-        )
-
-
-def check_gpu_requests(cfg: JobConfig, session_mode: str) -> None:
-    """The job's GPUs against the Ray it runs on, before any actor starts: a request no node can meet would
-    wait up to ray.startup_timeout_s (30 min by default) with only Ray's autoscaler lines to show for it. A
-    local Ray cannot grow, so there it is an InputError; an attached cluster may still add nodes: a warning."""
-    r, ro = cfg.ray, cfg.rollout
-    need = r.num_learners * r.learner_gpus + ro.num_engines * ro.gpus_per_engine
-    have = float(ray.cluster_resources().get("GPU", 0.0))
-    if need <= have + 1e-9:
-        return
-    what = (
-        f"the job asks for {need:g} GPU(s) (ray.num_learners={r.num_learners} x ray.learner_gpus={r.learner_gpus:g}"
-        f" + rollout.num_engines={ro.num_engines} x rollout.gpus_per_engine={ro.gpus_per_engine:g}) and this Ray "
-        f"has {have:g}"
-    )
-    fix = (
-        "to run on CPUs set ray.learner_gpus=0 rollout.gpus_per_engine=0 (with model.dtype=float32 and "
-        "rollout.sleep_during_update=false, as configs/demo.yaml)"
-        if have == 0
-        else "lower the GPU shares or the counts to fit, or attach to a larger cluster (ray.address)"
-    )
-    if session_mode == "attached":
-        logger.warning("%s: actors will wait up to ray.startup_timeout_s for nodes to join; %s", what, fix)
-        return
-    raise InputError(f"{what}, so the run would wait for GPUs that never come; {fix}")
-
-
 def start_actors(cfg: JobConfig) -> tuple[list[Any], list[Any], list[Any]]:
     """Create the learner ranks, engines and reward workers with the configured placement; each must start
     within ray.startup_timeout_s (a failure or a hang names the actor, a learner by its rank)."""
     r = cfg.ray
     plan = cfg.placement_plan()
-    learner_opts, engine_opts = _scheduling(cfg, plan)
+    learner_opts, engine_opts = scheduling(cfg, plan)
     world = len(learner_opts)
     learners = [LearnerActor.options(**o).remote(cfg, i, world) for i, o in enumerate(learner_opts)]  # type: ignore[attr-defined]
     engines: list[Any] = []
@@ -463,7 +356,7 @@ def start_actors(cfg: JobConfig) -> tuple[list[Any], list[Any], list[Any]]:
     timeout, key = r.startup_timeout_s, "ray.startup_timeout_s"
     forbidden = checkpoint_vision_token_ids(cfg.model.path)
     try:
-        if not _engines_wait_for_learners(cfg):
+        if not engines_wait_for_learners(cfg):
             engines = [_start_engine(cfg, i, forbidden, opts) for i, opts in enumerate(engine_opts)]
         # a job whose only reward is a judge has no rule rewards to score; the workers start beside the rest
         rewards = [

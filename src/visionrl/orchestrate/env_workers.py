@@ -43,7 +43,7 @@ class EnvPool:
     """The env workers, seen as one: each episode always goes to the same worker (its key's hash)."""
 
     def __init__(self, env_cfg: Any) -> None:
-        from visionrl.orchestrate.actors import with_actor_env
+        from visionrl.orchestrate.scheduling import with_actor_env
 
         self.cfg = env_cfg
         # Threaded actors: continuous episodes send each episode's step on its own, and a worker's slow

@@ -26,7 +26,7 @@ from visionrl.data.prompts import user_prompt
 from visionrl.judge import own_judge
 from visionrl.judge.scoring import Backend, JudgeScores, Judging, Raw, judge_entries
 from visionrl.orchestrate import console
-from visionrl.orchestrate.actors import memory_guard, placement, use_torch_threads, with_actor_env
+from visionrl.orchestrate.actors import memory_guard, placement, use_torch_threads
 from visionrl.orchestrate.remote import (
     ENGINE,
     JUDGE,
@@ -39,6 +39,7 @@ from visionrl.orchestrate.remote import (
     split_evenly,
     wait_until_back,
 )
+from visionrl.orchestrate.scheduling import with_actor_env
 from visionrl.rewards.combined import RewardResult, component_keys
 from visionrl.rewards.judge import JudgeFailure, JudgeRequest, JudgeSpec, judge_ask
 from visionrl.rewards.registry import RewardSpec

@@ -50,7 +50,7 @@ from visionrl.judge.scoring import judge_entries
 from visionrl.metrics import Progress
 from visionrl.models.sequences import Sequence
 from visionrl.orchestrate import console, preemption
-from visionrl.orchestrate.actors import check_gpu_requests, start_actors
+from visionrl.orchestrate.actors import start_actors
 from visionrl.orchestrate.collect import Collected, collect, collect_ahead
 from visionrl.orchestrate.delivery import FingerprintWatch, MismatchWatch
 from visionrl.orchestrate.failures import run_error, run_log, stopped
@@ -61,6 +61,7 @@ from visionrl.orchestrate.prompt_stream import PromptStream
 from visionrl.orchestrate.ray_session import ray_session
 from visionrl.orchestrate.remote import ActorProblem, first_line
 from visionrl.orchestrate.resume import ResumeMode, checkpoint_to_resume
+from visionrl.orchestrate.scheduling import check_gpu_requests
 from visionrl.orchestrate.step_log import StepClock, step_metrics, write_step
 from visionrl.orchestrate.workers import Synced, Workers
 from visionrl.rollout.scratch import remove_orphaned_scratch
