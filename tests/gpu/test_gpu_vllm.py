@@ -4,6 +4,7 @@ agreement of learner and engine log-probs after a sync, and the out-of-memory me
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,19 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM"),
 ]
+
+
+@pytest.fixture(autouse=True)
+def _gpu_memory_back() -> Iterator[None]:
+    """What a test built in this process (a learner, an engine) goes, and torch's cache returns its memory to the
+    GPU: the next test's engine actor sizes its share from the memory free when it starts (on an H100 a loop test
+    after the in-process agreement test found 13 of 79 GiB free)."""
+    yield
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 @pytest.fixture(scope="module")

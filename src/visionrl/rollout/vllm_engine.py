@@ -385,10 +385,12 @@ class VLLMEngine:
             torch.cuda.empty_cache()
 
     def close(self) -> None:
+        """The engine stopped, its core process and GPU memory released now (not when the LLM is collected: an
+        engine built next in this process, or an actor's on this GPU, sizes its share from the memory free)."""
         if self._stepper is not None:
             self._stepper.close()
         self._adapters.close()
-        self._llm = None
+        self._shutdown()
 
     # ------------------------------------------------------------------ stepping (continuous episodes)
     def submit(self, prompts: list[PromptItem], spec: SamplingSpec) -> list[str]:
