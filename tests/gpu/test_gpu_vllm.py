@@ -31,6 +31,8 @@ def _gpu_memory_back() -> Iterator[None]:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        print(f"GPU memory free after the test: {free / 2**30:.1f} of {total / 2**30:.1f} GiB")
 
 
 @pytest.fixture(scope="module")
