@@ -355,8 +355,9 @@ def start_actors(cfg: JobConfig) -> tuple[list[Any], list[Any], list[Any]]:
     rewards: list[Any] = []
     timeout, key = r.startup_timeout_s, "ray.startup_timeout_s"
     forbidden = checkpoint_vision_token_ids(cfg.model.path)
+    wait = engines_wait_for_learners(cfg)
     try:
-        if not engines_wait_for_learners(cfg):
+        if not wait:
             engines = [_start_engine(cfg, i, forbidden, opts) for i, opts in enumerate(engine_opts)]
         # a job whose only reward is a judge has no rule rewards to score; the workers start beside the rest
         rewards = [
@@ -367,7 +368,7 @@ def start_actors(cfg: JobConfig) -> tuple[list[Any], list[Any], list[Any]]:
         setups = [
             Call(a.setup.remote(address), LEARNER, i) for i, a in enumerate(learners)
         ]  # all join at once
-        if not engines:
+        if wait:
             # GPU engines start now and import their library while the learners load the model; each loads it
             # once the learners are done (their weights already placed, an engine's memory profile sees them as
             # they will stay). Meanwhile the learners compile their layers for training.

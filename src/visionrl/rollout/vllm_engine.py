@@ -369,7 +369,7 @@ class VLLMEngine:
         )
 
     def _shutdown(self) -> None:
-        """Stop the engine's core (its worker process and memory, on GPUs) before another is built."""
+        """Stop the engine's core (its worker process and memory, on GPUs): before another is built, or on close."""
         llm, self._llm = self._llm, None
         core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
         if core is not None:
