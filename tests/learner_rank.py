@@ -91,6 +91,11 @@ def main(argv: list[str]) -> None:
         save_file(weights, out + ".safetensors")
         with open(out + ".json", "w") as f:
             json.dump(metrics, f)
+    if torch.distributed.is_initialized():
+        # Leave together: a rank that exits while the group's threads still run (its peer mid-collective, or the
+        # store's) can abort in C++ ("terminate called without an active exception", exit -6), seen under load.
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -45,9 +45,19 @@ exec "$@"
 """,
     "hostname": LOG_LINE + 'echo "$line" >> "$STANDIN_LOG"\necho "10.0.0.7 fe80::7"\n',
     "ray": LOG_LINE + 'echo "$line" >> "$STANDIN_LOG"\n',
-    # python3: the launcher's join check is logged; anything else (the sbatch script reads the job file) is real.
+    # python3: the launcher's join check is logged and, like the real one, returns once the Ray steps are up (here:
+    # once each has logged its `ray start`; else the command could end, and the cleanup kill the workers' step,
+    # before that step has run); anything else (the sbatch script reads the job file) is real.
     "python3": LOG_LINE
-    + """if [[ ${1:-} == -c && ${2:-} == *ray.init* ]]; then echo "$line" >> "$STANDIN_LOG"; exit 0; fi
+    + """if [[ ${1:-} == -c && ${2:-} == *ray.init* ]]; then
+  echo "$line" >> "$STANDIN_LOG"
+  want=$(( ${4:-1} > 1 ? 2 : 1 ))
+  for _ in $(seq 600); do
+    (( $(grep -c '^ray start' "$STANDIN_LOG") >= want )) && exit 0
+    sleep 0.1
+  done
+  exit 1
+fi
 exec "$REAL_PYTHON" "$@"
 """,
     "visionrl": LOG_LINE
