@@ -274,10 +274,13 @@ def test_the_early_stop_count_carries_over_a_resume(tmp_path: Path) -> None:
     [
         (0.0, 0.0, "colocated", False),  # the CPU loop: the engines load beside the learners
         (0.5, 0.4, "colocated", True),  # a shared GPU: an engine sizes its share after the learner has loaded
-        (1.0, 1.0, "split", True),
+        (1.0, 1.0, "split", False),  # GPUs of their own: the engines load beside the learners
+        (0.5, 0.5, "split", True),  # Ray may pack both fractions onto one GPU
+        (0.5, 1.0, "split", False),  # a whole GPU is never shared
+        (1.0, 0.5, "split", False),
     ],
 )
-def test_engines_load_the_model_after_the_learners_only_where_both_use_gpus(
+def test_engines_load_the_model_after_the_learners_only_where_they_may_share_a_gpu(
     learner_gpus: float, engine_gpus: float, placement: str, waits: bool
 ) -> None:
     from visionrl.orchestrate.scheduling import engines_wait_for_learners

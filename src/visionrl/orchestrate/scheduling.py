@@ -37,10 +37,15 @@ def engine_options(cfg: JobConfig) -> list[dict[str, Any]]:
 
 
 def engines_wait_for_learners(cfg: JobConfig) -> bool:
-    """Whether the engines load the model only once the learners have theirs: where both use GPUs (an engine
-    sizes its share of a GPU from the memory free when it starts). Engines on CPUs start with the learners and
-    load beside them (on the CPU test loop, 2-4 s of a run's start-up)."""
-    return cfg.rollout.gpus_per_engine > 0 and cfg.ray.learner_gpus > 0
+    """Whether the engines load the model only once the learners have theirs: where an engine may share a GPU with
+    a learner rank (it sizes its share from the memory free when it starts). That is colocated placement, and split
+    placement with fractional shares on both sides (Ray may pack a learner's and an engine's fractions onto one
+    GPU; a whole GPU is never shared). Engines on CPUs, or on whole GPUs of their own, start with the learners and
+    load beside them (on the CPU test loop, 2-4 s of a run's start-up; on GPUs, the engine's load and compile)."""
+    r, ro = cfg.ray, cfg.rollout
+    if ro.gpus_per_engine == 0 or r.learner_gpus == 0:
+        return False
+    return r.placement == "colocated" or (r.learner_gpus < 1 and ro.gpus_per_engine < 1)
 
 
 def scheduling(cfg: JobConfig, plan: PlacementPlan) -> tuple[list[dict], list[dict]]:
