@@ -354,9 +354,9 @@ def start_actors(cfg: JobConfig) -> tuple[list[Any], list[Any], list[Any]]:
     engines: list[Any] = []
     rewards: list[Any] = []
     timeout, key = r.startup_timeout_s, "ray.startup_timeout_s"
-    forbidden = checkpoint_vision_token_ids(cfg.model.path)
     wait = engines_wait_for_learners(cfg)
     try:
+        forbidden = checkpoint_vision_token_ids(cfg.model.path)  # in the try: a bad config kills the learners
         if not wait:
             engines = [_start_engine(cfg, i, forbidden, opts) for i, opts in enumerate(engine_opts)]
         # a job whose only reward is a judge has no rule rewards to score; the workers start beside the rest

@@ -94,8 +94,8 @@ def _spread(options: list[dict[str, Any]]) -> None:
     """CPU only: one tiny bundle per actor in a placement group of strategy SPREAD, so that on a cluster the
     actors of one kind (the learner ranks; the engines) go to different nodes (reserving nothing, Ray would start
     them all on the driver's node); on one node they all land there, as before. One group per kind: a single
-    group of 2 ranks and 2 engines on 3 nodes may put both engines on one node. GPU actors are placed by their GPUs instead:
-    packing learner ranks onto one node keeps their all-reduce on NVLink."""
+    group of 2 ranks and 2 engines on 3 nodes may put both engines on one node. GPU actors are placed by their
+    GPUs instead: packing learner ranks onto one node keeps their all-reduce on NVLink."""
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
